@@ -1,0 +1,36 @@
+# The two commands a newcomer runs: `make test` (and, once the server lands, `make serve`).
+# Everything installs into .venv; nothing is needed beyond Python 3.10+ and the package index.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# torch 2.13.0: on a CPU machine pip takes the CPU build; the Makefile adds the
+# `cuda` extra (FlashInfer) only where a CUDA device answers.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(BIN)/python -m pip install -q -e ".[dev,cuda]"; fi
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/flotilla bench scheduler
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,76 @@
+"""The ``flotilla`` command line.
+
+  flotilla bench scheduler            Python cost of scheduling (JSON)
+  flotilla bench offline --model M --workload W.jsonl
+                                      offline throughput on a JSONL workload (JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _bench_scheduler(args: argparse.Namespace) -> int:
+    from cluster.bench_scheduler import run
+
+    sizes = tuple(int(x) for x in args.sizes.split(","))
+    print(json.dumps(run(sizes=sizes, num_steps=args.steps), indent=2))
+    return 0
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from cluster.bench_offline import run
+
+    engine = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.prefix_caching,
+    }
+    if args.num_kv_pages is not None:
+        engine["num_kv_pages"] = args.num_kv_pages
+    if args.kv_cache_memory_fraction is not None:
+        engine["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
+    if args.dtype is not None:
+        engine["dtype"] = args.dtype
+    print(json.dumps(run(args.model, args.workload, progress=args.progress, **engine)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flotilla", description="Elastic LLM serving on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="benchmarks that print JSON")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    sched = bench_sub.add_parser("scheduler", help="schedule()+update() and match_prefix cost")
+    sched.add_argument("--sizes", default="64,256,1024", help="running decodes to measure, comma-separated")
+    sched.add_argument("--steps", type=int, default=200, help="timed steps per size")
+    sched.set_defaults(func=_bench_scheduler)
+
+    off = bench_sub.add_parser("offline", help="offline throughput on a JSONL workload")
+    off.add_argument("--model", default="tiny", help="model folder, hub id, or tiny/small")
+    off.add_argument("--workload", required=True, help="JSONL file (make_workload.py format)")
+    off.add_argument("--max-num-seqs", type=int, default=64)
+    off.add_argument("--max-model-len", type=int, default=2048)
+    off.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    off.add_argument("--num-kv-pages", type=int, default=None)
+    off.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    off.add_argument("--dtype", default=None)
+    off.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                     help="off by default, like the vLLM peer script")
+    off.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    off.set_defaults(func=_bench_offline)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The plain data the scheduler hands to the model runner for one engine step.
+
+The model runner never sees a ``Request``: everything it needs is here, as
+lists of ints, so a ``Batch`` pickles cheaply for one Ray call per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One engine step.
+
+    Sequences appear in a fixed order; per-sequence lists are aligned with it.
+    Token-level lists (``input_ids``, ``positions``) are the concatenation of
+    every sequence's new tokens in that order.
+
+    Invariants:
+      - ``len(input_ids) == len(positions) == sum(query_lens)``
+      - ``context_lens[i]`` = tokens in the KV cache for sequence i once this
+        step's tokens are written (already computed + ``query_lens[i]``)
+      - ``page_tables[i]`` covers ``context_lens[i]`` tokens
+        (``ceil(context_lens[i] / page_size)`` pages, maybe more)
+      - ``sample_indices`` lists, in increasing order, the sequences whose last
+        new token produces a sampled token this step (a chunk that does not end
+        its prompt samples nothing); the sampling lists are aligned with it.
+    """
+
+    step: int
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    page_tables: list[list[int]]
+    sample_indices: list[int]
+    sampling_params: list[SamplingParams]
+    # Tokens generated so far by each sampled sequence, counted: seeds the
+    # per-request generator so seeded sampling ignores batch composition.
+    num_output_tokens: list[int]
+    # Only for sampled sequences whose params apply penalties (else None): the
+    # prompt and the tokens generated so far.
+    prompt_token_ids: list[list[int] | None]
+    output_token_ids: list[list[int] | None]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.query_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprob of the chosen token and the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What the model runner returns for one ``Batch``: aligned with ``sample_indices``."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]

@@ -1,0 +1,52 @@
+"""Turns the scheduler's picks for one step into a plain ``Batch``."""
+
+from __future__ import annotations
+
+from scheduling.batch import Batch
+from scheduling.request import Request
+from scheduling.sampling_params import SamplingParams
+
+# (request, tokens computed this step, samples a token this step)
+Scheduled = tuple[Request, int, bool]
+
+
+def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
+    """Copy out of each request exactly what the model runner needs this step."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    page_tables: list[list[int]] = []
+    sample_indices: list[int] = []
+    params: list[SamplingParams] = []
+    num_out: list[int] = []
+    prompts: list[list[int] | None] = []
+    outputs: list[list[int] | None] = []
+    for idx, (req, n, samples) in enumerate(scheduled):
+        start = req.num_computed_tokens
+        end = start + n
+        if n == 1:
+            n_prompt = req.num_prompt_tokens
+            input_ids.append(
+                req.prompt_token_ids[start] if start < n_prompt else req.output_token_ids[start - n_prompt]
+            )
+            positions.append(start)
+        else:
+            src = req.prompt_token_ids if end <= req.num_prompt_tokens else req.all_token_ids
+            input_ids.extend(src[start:end])
+            positions.extend(range(start, end))
+        query_lens.append(n)
+        context_lens.append(end)
+        page_tables.append(req.pages[:])
+        if samples:
+            sample_indices.append(idx)
+            p = req.params
+            params.append(p)
+            num_out.append(len(req.output_token_ids))
+            penal = p.needs_penalties
+            prompts.append(req.prompt_token_ids if penal else None)
+            outputs.append(req.output_token_ids[:] if penal else None)
+    return Batch(
+        step, input_ids, positions, query_lens, context_lens, page_tables,
+        sample_indices, params, num_out, prompts, outputs,
+    )

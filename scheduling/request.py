@@ -1,0 +1,126 @@
+"""A generation request and its lifecycle.
+
+Lifecycle (the only transitions allowed; ``Request.set_status`` is the one
+place status changes)::
+
+    WAITING -> RUNNING -> FINISHED | ABORTED
+    RUNNING -> PREEMPTED -> WAITING
+    WAITING | PREEMPTED -> ABORTED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from scheduling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvcache.radix_cache import RadixNode
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.ABORTED}),
+    RequestStatus.RUNNING: frozenset(
+        {RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.PREEMPTED}
+    ),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.WAITING, RequestStatus.ABORTED}),
+    RequestStatus.FINISHED: frozenset(),
+    RequestStatus.ABORTED: frozenset(),
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` counts tokens whose KV is in ``pages``; the next
+    step computes ``num_tokens - num_computed_tokens`` of them (all the prompt,
+    a chunk of it, or the one token sampled last step).
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "params",
+        "namespace",
+        "eos_token_id",
+        "status",
+        "output_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "pages",
+        "prefix_node",
+        "finish_reason",
+        "arrival_time",
+        "first_scheduled_time",
+        "first_token_time",
+        "last_token_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        namespace: str | None = None,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.namespace = namespace
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.pages: list[int] = []
+        self.prefix_node: RadixNode | None = None
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def set_status(self, status: RequestStatus) -> None:
+        """Move along the lifecycle; anything else is a scheduler bug."""
+        if status not in _ALLOWED[self.status]:
+            raise RuntimeError(
+                f"request {self.request_id}: illegal transition {self.status.value} -> {status.value}"
+            )
+        self.status = status
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,97 @@
+"""Per-request sampling parameters, validated when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from scheduling.errors import InvalidParameterError
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+def _check_range(param: str, value: float, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParameterError(param, f"must be a number, got {type(value).__name__}")
+    if math.isnan(value) or value < lo or value > hi:
+        raise InvalidParameterError(param, f"must be in [{lo}, {hi}], got {value}")
+
+
+def _check_int(param: str, value: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(param, f"must be an integer, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise InvalidParameterError(param, f"must be {bound}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    ``temperature == 0`` is greedy. ``top_k`` of -1 or 0 disables top-k.
+    ``logprobs`` asks for that many top alternatives (plus the chosen token)
+    at every generated position. ``n`` sequences share the prompt.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers, store tuples so the object stays hashable/immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise InvalidParameterError("top_p", "must be a number")
+        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidParameterError("top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), 2**63 - 1)
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                raise InvalidParameterError("stop", "stop strings must be non-empty strings")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParameterError("ignore_eos", "must be a boolean")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0)
+        if self.repetition_penalty == 0.0:
+            raise InvalidParameterError("repetition_penalty", "must be > 0")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_int("n", self.n, 1, MAX_N)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

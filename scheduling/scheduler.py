@@ -1,0 +1,299 @@
+"""Continuous batching: one ``Batch`` per engine step, under a token budget.
+
+Each step the scheduler first serves running requests in admission order
+(decodes and unfinished prompt chunks), reserving KV pages for the tokens
+they compute; when pages run out it evicts unlocked prefix-cache pages, then
+preempts running requests (newest first by default) by recompute. With budget
+left and no preemption in the step, it admits waiting requests, reusing
+cached prefixes found at admission. A long prompt is split across steps
+(chunked prefill) and mixed with decodes in the same step.
+
+Page ownership: a request holds one allocator reference on every page in its
+page table, matched prefix pages included, and a lock on the radix node it
+matched. When it ends (finish, abort or preemption) its fully computed pages
+go into the radix tree, which takes its own references, and the request drops
+all of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvcache.errors import CacheConfigError
+from kvcache.page_allocator import PageAllocator
+from kvcache.radix_cache import RadixCache
+from scheduling.batch import Batch, StepOutput
+from scheduling.batch_builder import Scheduled, build_batch
+from scheduling.errors import InvalidParameterError
+from scheduling.request import Request, RequestStatus
+from scheduling.scheduler_config import SchedulerConfig
+from scheduling.scheduler_stats import SchedulerStats
+
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerUpdate:
+    """What one step changed: the tokens sampled and the requests that ended.
+
+    ``sampled`` holds (request, token id, row in the step's ``StepOutput``).
+    """
+
+    sampled: list[tuple[Request, int, int]]
+    finished: list[Request]
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every request's KV pages."""
+
+    def __init__(
+        self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache | None = None
+    ) -> None:
+        if config.enable_prefix_caching and cache is None:
+            cache = RadixCache(allocator, config.page_size)
+        max_pages = -(-config.max_model_len // config.page_size)
+        if max_pages > allocator.num_pages:
+            raise CacheConfigError(
+                "max_model_len",
+                f"max_model_len {config.max_model_len} needs {max_pages} pages of "
+                f"{config.page_size} tokens but the pool holds {allocator.num_pages}",
+            )
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache if config.enable_prefix_caching else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._step = 0
+        self._in_flight: dict[int, list[Scheduled]] = {}
+        # request id -> siblings waiting for its prompt pages (see ``add``)
+        self._forks: dict[str, list[Request]] = {}
+
+    # ----------------------------------------------------------------- intake
+    def add(self, request: Request, *, share_prompt_with: str | None = None) -> None:
+        """Queue a request; invalid sizes raise ``InvalidParameterError``.
+
+        ``share_prompt_with`` names a queued request with the same prompt (a
+        sibling of ``n > 1``): this one waits until the sibling has computed
+        the prompt, then starts from the sibling's full prompt pages.
+        """
+        n_prompt = request.num_prompt_tokens
+        limit = self.config.max_model_len
+        if n_prompt == 0:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        if n_prompt >= limit:
+            raise InvalidParameterError(
+                "prompt", f"the prompt has {n_prompt} tokens; max_model_len is {limit}"
+            )
+        if n_prompt + request.params.max_tokens > limit:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({n_prompt} tokens) + max_tokens ({request.params.max_tokens}) = "
+                f"{n_prompt + request.params.max_tokens} exceeds max_model_len {limit}",
+            )
+        if request.request_id in self.requests:
+            raise InvalidParameterError("request_id", f"{request.request_id!r} is already queued")
+        self.requests[request.request_id] = request
+        src = self.requests.get(share_prompt_with) if share_prompt_with is not None else None
+        if (
+            src is not None
+            and src.status in (RequestStatus.WAITING, RequestStatus.RUNNING)
+            and not src.output_token_ids
+            and src.prompt_token_ids == request.prompt_token_ids
+        ):
+            self._forks.setdefault(src.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a request wherever it is; returns it, or None if unknown or already ended."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.waiting.extend(self._forks.pop(request_id, ()))  # siblings compute for themselves
+        if req.status is RequestStatus.WAITING:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                for siblings in self._forks.values():
+                    if req in siblings:
+                        siblings.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        self._release(req)
+        req.finish_reason = "abort"
+        req.set_status(RequestStatus.ABORTED)
+        return req
+
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """End a running request for a reason found outside (a stop string)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return None
+        self.running.remove(req)
+        self._end(req, reason)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --------------------------------------------------------------- planning
+    def schedule(self) -> Batch | None:
+        """Pick this step's work; None when there is nothing to do."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Scheduled] = []
+        running = self.running
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._reserve(req, req.num_computed_tokens + n):
+                victim = len(running) - 1 if self.config.preemption_order == "newest" else i + 1
+                victim = min(victim, len(running) - 1)
+                self._preempt(running.pop(victim))
+                preempted = True
+                if victim == i:
+                    break
+            else:
+                scheduled.append((req, n, req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+                i += 1
+        if not preempted:
+            budget = self._admit(scheduled, budget)
+        if not scheduled:
+            return None
+        self._step += 1
+        self._in_flight[self._step] = scheduled
+        return build_batch(self._step, scheduled)
+
+    def _admit(self, scheduled: list[Scheduled], budget: int) -> int:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            if self.cache is not None and req.num_computed_tokens == 0:
+                self._match_prefix(req)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            if (n < remaining and not cfg.enable_chunked_prefill) or not self._reserve(
+                req, req.num_computed_tokens + n
+            ):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            req.set_status(RequestStatus.RUNNING)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled.append((req, n, req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+        return budget
+
+    def _match_prefix(self, req: Request) -> None:
+        assert self.cache is not None and not req.pages and req.prefix_node is None
+        tokens = req.all_token_ids
+        match = self.cache.match_prefix(tokens, req.namespace)
+        self.cache.lock(match.node)
+        self.allocator.incref(match.pages)
+        req.prefix_node = match.node
+        req.pages = list(match.pages)
+        req.num_computed_tokens = match.num_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = match.num_tokens
+            self.stats.prefix_queries_tokens += len(tokens)
+            self.stats.prefix_hit_tokens += match.num_tokens
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make ``req.pages`` cover ``num_tokens`` tokens, evicting cached pages if needed."""
+        need = -(-num_tokens // self.config.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        free = self.allocator.num_free_pages
+        if free < need and self.cache is not None:
+            self.cache.evict(need - free)
+        if self.allocator.num_free_pages < need:
+            return False
+        req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    # ---------------------------------------------------------------- results
+    def update(self, batch: Batch, output: StepOutput) -> SchedulerUpdate:
+        """Apply one step's sampled tokens; finish requests that hit a limit."""
+        scheduled = self._in_flight.pop(batch.step)
+        now = time.monotonic()
+        sampled: list[tuple[Request, int, int]] = []
+        finished: list[Request] = []
+        row = 0
+        for req, n, samples in scheduled:
+            if samples:
+                row += 1
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            if not samples:
+                continue
+            token = output.token_ids[row - 1]
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            sampled.append((req, token, row - 1))
+            if len(req.output_token_ids) == 1 and req.request_id in self._forks:
+                self._fork(req)
+            p = req.params
+            if token in p.stop_token_ids or (token == req.eos_token_id and not p.ignore_eos):
+                req.finish_reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens:
+                req.finish_reason = "length"
+            else:
+                continue
+            finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.finish_reason is None]
+            for req in finished:
+                self._end(req, req.finish_reason or "stop")
+        self.stats.num_steps += 1
+        return SchedulerUpdate(sampled, finished)
+
+    def _fork(self, src: Request) -> None:
+        """Hand ``src``'s full prompt pages to the siblings that waited for them."""
+        ps = self.config.page_size
+        num_pages = (src.num_prompt_tokens - 1) // ps  # keep >= 1 token to recompute
+        shared = src.pages[:num_pages]
+        for child in reversed(self._forks.pop(src.request_id)):
+            self.allocator.incref(shared)
+            child.pages = list(shared)
+            child.num_computed_tokens = child.num_cached_tokens = num_pages * ps
+            self.waiting.appendleft(child)
+
+    # ---------------------------------------------------------------- release
+    def _end(self, req: Request, reason: str) -> None:
+        self.requests.pop(req.request_id, None)
+        self._release(req)
+        req.finish_reason = reason
+        req.set_status(RequestStatus.FINISHED)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        req.set_status(RequestStatus.PREEMPTED)
+        req.set_status(RequestStatus.WAITING)
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        """Give back the request's pages (computed ones into the prefix cache)."""
+        if req.pages:
+            if self.cache is not None and req.num_computed_tokens >= self.config.page_size:
+                tokens = req.all_token_ids[: req.num_computed_tokens]
+                self.cache.insert(tokens, req.pages, req.namespace)
+            self.allocator.free(req.pages)
+            req.pages = []
+        if req.prefix_node is not None:
+            assert self.cache is not None
+            self.cache.unlock(req.prefix_node)
+            req.prefix_node = None
+        req.num_computed_tokens = 0

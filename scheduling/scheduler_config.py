@@ -1,0 +1,47 @@
+"""Scheduler limits, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduling.errors import InvalidParameterError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What the scheduler may put in one step, and how it reuses and reclaims KV pages.
+
+    ``max_num_batched_tokens`` is the per-step token budget (prefill tokens
+    plus one per decode). Without chunked prefill a prompt must fit the budget
+    in one step, so the budget must be at least ``max_model_len``.
+    """
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_order: str = "newest"
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(name, f"must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise InvalidParameterError(
+                "max_num_batched_tokens",
+                f"{self.max_num_batched_tokens} is below max_num_seqs {self.max_num_seqs}: "
+                "every running sequence needs at least one token per step",
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise InvalidParameterError(
+                "max_num_batched_tokens",
+                f"{self.max_num_batched_tokens} is below max_model_len {self.max_model_len}; "
+                "without chunked prefill a whole prompt must fit in one step",
+            )
+        if self.preemption_order not in ("newest", "oldest"):
+            raise InvalidParameterError(
+                "preemption_order", f"must be 'newest' or 'oldest', got {self.preemption_order!r}"
+            )

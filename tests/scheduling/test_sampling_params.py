@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"seed": "x"}, "seed"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_invalid_values_name_their_parameter(kwargs: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_defaults_and_normalisation() -> None:
+    p = SamplingParams(stop="END", stop_token_ids=[3, 4], temperature=0)
+    assert p.stop == ("END",)
+    assert p.stop_token_ids == (3, 4)
+    assert p.greedy and not p.needs_penalties
+    assert SamplingParams(frequency_penalty=0.5).needs_penalties
+    assert SamplingParams(repetition_penalty=1.2).needs_penalties

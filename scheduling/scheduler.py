@@ -32,7 +32,6 @@ from scheduling.scheduler_config import SchedulerConfig
 from scheduling.scheduler_stats import SchedulerStats
 
 
-
 @dataclass(frozen=True, slots=True)
 class SchedulerUpdate:
     """What one step changed: the tokens sampled and the requests that ended.

@@ -1,0 +1,201 @@
+"""The KV tensor pool: one k and one v tensor per layer, cut into fixed-size pages.
+
+Layout is NHD per page, ``(num_pages, page_size, num_kv_heads, head_dim)``,
+which is FlashInfer's paged KV layout, so the same tensors serve the torch and
+the FlashInfer backends. Page ``p`` of every layer belongs to the same
+sequence: the page allocator hands out page ids, this module only owns bytes.
+
+Also here: how many pages fit in memory (``plan_num_pages``) and the one-line
+capacity report printed at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.errors import CacheConfigError
+
+
+def bytes_per_page(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one page occupies across all layers, k and v together."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * element_size
+
+
+class KVPool:
+    """Per-layer k/v page tensors, zero-initialised.
+
+    Attributes:
+        k_caches, v_caches: one tensor per layer, each
+            ``(num_pages, page_size, num_kv_heads, head_dim)``, contiguous.
+        num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device.
+        bytes_per_page: bytes of one page over all layers, k and v.
+        total_bytes: ``num_pages * bytes_per_page``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_pages < 1:
+            raise CacheConfigError("num_kv_pages", f"must be >= 1, got {num_pages}")
+        if page_size < 1:
+            raise CacheConfigError("page_size", f"must be >= 1, got {page_size}")
+        if num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
+            raise ValueError(
+                f"num_layers, num_kv_heads and head_dim must be >= 1, got "
+                f"{num_layers}, {num_kv_heads}, {head_dim}"
+            )
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: padding slots of a gather read pages nobody wrote,
+        # and NaN garbage there would poison attention even under a mask in
+        # some kernels (0 * NaN).
+        self.k_caches: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_caches: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.bytes_per_page = bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
+        self.total_bytes = num_pages * self.bytes_per_page
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the pool (``num_pages * page_size``)."""
+        return self.num_pages * self.page_size
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool(num_layers={self.num_layers}, num_pages={self.num_pages}, "
+            f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"total_bytes={self.total_bytes})"
+        )
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory the KV pool could take on ``device``.
+
+    CUDA: free bytes from ``torch.cuda.mem_get_info``. CPU: ``MemAvailable``
+    from /proc/meminfo (what the kernel could hand out without swapping),
+    falling back to available physical pages from ``os.sysconf``.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+@dataclass(frozen=True, slots=True)
+class KVCapacity:
+    """What the KV pool will hold; built by ``plan_num_pages``.
+
+    ``max_concurrent_seqs`` is how many sequences of ``max_model_len`` tokens
+    fit at once (not capped by ``max_num_seqs``, which is kept for the report).
+    """
+
+    num_pages: int
+    num_tokens: int
+    bytes: int
+    max_concurrent_seqs: int
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+
+    def describe(self) -> str:
+        """One line for start-up logging."""
+        return (
+            f"KV cache: {self.num_pages} pages x {self.page_size} tokens = "
+            f"{self.num_tokens} tokens, {self.bytes / 2**20:.1f} MiB; "
+            f"{self.max_concurrent_seqs} sequences of max_model_len {self.max_model_len} "
+            f"fit at once (max_num_seqs {self.max_num_seqs})"
+        )
+
+
+def plan_num_pages(
+    *,
+    num_pages: int | None,
+    kv_cache_memory_fraction: float,
+    available_bytes: int,
+    bytes_per_page: int,
+    page_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> KVCapacity:
+    """Decide the pool size.
+
+    ``num_pages`` (the ``num_kv_pages`` override) wins when given; otherwise
+    ``floor(kv_cache_memory_fraction * available_bytes / bytes_per_page)``.
+    The caller picks the fraction (on CPU it should be modest: the pool is
+    not the only tenant of host RAM).
+
+    Raises:
+        CacheConfigError: ``kv_cache_memory_fraction`` outside (0, 1];
+            ``num_kv_pages`` below 1; ``page_size`` below 1; ``max_model_len``
+            needing more pages than the pool holds (message has both numbers).
+    """
+    if not 0.0 < kv_cache_memory_fraction <= 1.0:
+        raise CacheConfigError(
+            "kv_cache_memory_fraction",
+            f"must be in (0, 1], got {kv_cache_memory_fraction}",
+        )
+    if page_size < 1:
+        raise CacheConfigError("page_size", f"must be >= 1, got {page_size}")
+    assert bytes_per_page > 0, bytes_per_page
+    if num_pages is not None:
+        if num_pages < 1:
+            raise CacheConfigError("num_kv_pages", f"must be >= 1, got {num_pages}")
+        pages = num_pages
+        source = f"num_kv_pages={num_pages}"
+    else:
+        pages = int(kv_cache_memory_fraction * available_bytes) // bytes_per_page
+        source = (
+            f"kv_cache_memory_fraction {kv_cache_memory_fraction} of "
+            f"{available_bytes / 2**20:.1f} MiB available"
+        )
+    pages_per_seq = math.ceil(max_model_len / page_size)
+    if pages_per_seq > pages:
+        raise CacheConfigError(
+            "max_model_len",
+            f"max_model_len {max_model_len} needs {pages_per_seq} pages of {page_size} "
+            f"tokens but the KV pool holds only {pages} pages ({pages * page_size} tokens; "
+            f"{source}, {bytes_per_page} bytes per page); lower max_model_len or raise "
+            f"kv_cache_memory_fraction / num_kv_pages",
+        )
+    return KVCapacity(
+        num_pages=pages,
+        num_tokens=pages * page_size,
+        bytes=pages * bytes_per_page,
+        max_concurrent_seqs=pages // max(pages_per_seq, 1),
+        page_size=page_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+    )

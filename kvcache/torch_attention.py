@@ -1,0 +1,181 @@
+"""Reference paged attention in plain torch (the CPU backend).
+
+Per step, ``plan`` builds every index tensor once (slot mapping for the
+write, page gathers, masks; see ``attention_metadata``). Per layer,
+``forward`` is a handful of big ops: one ``index_copy_`` each for k and v,
+then per attention group one page gather each for k and v, one
+``scaled_dot_product_attention`` and, only for mixed steps, one scatter of the
+outputs back into step order. No per-sequence Python runs in ``forward``.
+
+GQA/MQA without copying K/V per query head: the ``group_size`` query heads
+that share a kv head are folded into the query axis, so SDPA sees
+``(seqs, kv_heads, max_query_len * group_size, head_dim)`` queries against
+``(seqs, kv_heads, context, head_dim)`` keys. For decode the fold is a free
+view. Groups of equal-length fresh prompts skip the mask and use SDPA's
+``is_causal`` with ``enable_gqa`` instead (torch >= 2.5), which skips the
+masked half of the work.
+
+Sequences are split into groups (``partition_sequences``) so a long prefill
+does not pad dozens of decodes to its length; a decode-only step with similar
+contexts is one group. Gathers land in grow-only buffers reused by every
+layer and step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvcache.attention_backend import AttentionBackend, StepLayout
+from kvcache.attention_metadata import (
+    AttentionGroup,
+    build_attention_group,
+    build_slot_mapping,
+    check_layout,
+    partition_sequences,
+    token_starts,
+)
+from kvcache.kv_pool import KVPool
+
+
+class _StepPlan:
+    """What ``plan`` leaves for the layers of one step."""
+
+    __slots__ = ("num_tokens", "slot_mapping", "groups")
+
+    def __init__(
+        self, num_tokens: int, slot_mapping: torch.Tensor, groups: list[AttentionGroup]
+    ) -> None:
+        self.num_tokens = num_tokens
+        self.slot_mapping = slot_mapping
+        self.groups = groups
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Causal paged attention over a ``KVPool`` with torch ops; any device, any page size.
+
+    One instance serves all layers; ``plan`` must be called once per step
+    before the layers' ``forward`` calls. ``scale`` defaults to
+    ``1 / sqrt(head_dim)``.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+    ) -> None:
+        if num_kv_heads != pool.num_kv_heads or head_dim != pool.head_dim:
+            raise ValueError(
+                f"backend num_kv_heads={num_kv_heads}, head_dim={head_dim} do not match the "
+                f"pool's {pool.num_kv_heads}, {pool.head_dim}"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group_size = num_heads // num_kv_heads
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        # Flat (num_pages * page_size, kv_heads, head_dim) views for the
+        # slot-indexed write; they share storage with the pool's tensors.
+        self._flat_k = [c.view(-1, num_kv_heads, head_dim) for c in pool.k_caches]
+        self._flat_v = [c.view(-1, num_kv_heads, head_dim) for c in pool.v_caches]
+        self._plan: _StepPlan | None = None
+        # Gather targets reused by every layer and step (grow-only). Fresh
+        # allocations past glibc's mmap threshold (32 MiB) are page-faulted
+        # in on every call, which cost 10x the gather itself on a VM.
+        self._k_buf: torch.Tensor | None = None
+        self._v_buf: torch.Tensor | None = None
+
+    def plan(self, layout: StepLayout) -> None:
+        """Build this step's index tensors (on the pool's device)."""
+        page_size = self.pool.page_size
+        device = self.pool.device
+        check_layout(layout, page_size)
+        starts = token_starts(layout.query_lens)
+        groups = [
+            build_attention_group(
+                layout, seq_ids, page_size, self.group_size, device, starts, self.pool.dtype
+            )
+            for seq_ids in partition_sequences(layout.query_lens, layout.context_lens)
+        ]
+        self._plan = _StepPlan(
+            num_tokens=sum(layout.query_lens),
+            slot_mapping=build_slot_mapping(layout, page_size, device),
+            groups=groups,
+        )
+        need = max((g.num_seqs * g.pages_per_seq for g in groups), default=0)
+        if self._k_buf is None or self._k_buf.shape[0] < need:
+            shape = (need + need // 4, page_size, self.num_kv_heads, self.head_dim)
+            self._k_buf = torch.empty(shape, dtype=self.pool.dtype, device=device)
+            self._v_buf = torch.empty(shape, dtype=self.pool.dtype, device=device)
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k/v into ``layer_id``'s pages, return causal attention (tokens, heads, dim).
+
+        ``q``, ``k`` and ``v`` must be in the pool's dtype (the masks are built in it).
+        """
+        plan = self._plan
+        assert plan is not None, "plan() must run before forward()"
+        assert q.shape[0] == plan.num_tokens == k.shape[0] == v.shape[0], (
+            q.shape,
+            k.shape,
+            plan.num_tokens,
+        )
+        self._flat_k[layer_id].index_copy_(0, plan.slot_mapping, k)
+        self._flat_v[layer_id].index_copy_(0, plan.slot_mapping, v)
+        groups = plan.groups
+        if len(groups) == 1:
+            return self._attend(layer_id, q, groups[0])
+        out = q.new_empty(plan.num_tokens, self.num_heads, self.head_dim)
+        for group in groups:
+            assert group.token_index is not None
+            out.index_copy_(0, group.token_index, self._attend(layer_id, q, group))
+        return out  # also the empty step's (0, heads, dim) result
+
+    def _attend(self, layer_id: int, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """One padded SDPA over group ``g``; returns its real rows (tokens, heads, dim)."""
+        n, max_q, hd = g.num_seqs, g.max_query_len, self.head_dim
+        kvh, gs = self.num_kv_heads, self.group_size
+        span = g.pages_per_seq * self.pool.page_size
+        rows = g.num_seqs * g.pages_per_seq
+        assert self._k_buf is not None and self._v_buf is not None
+        # Gathered pages, viewed (n, kvh, context, hd) without a copy; the
+        # slice drops the last page's tail nobody may see.
+        kg = torch.index_select(
+            self.pool.k_caches[layer_id], 0, g.page_index, out=self._k_buf[:rows]
+        )
+        vg = torch.index_select(
+            self.pool.v_caches[layer_id], 0, g.page_index, out=self._v_buf[:rows]
+        )
+        kg = kg.view(n, span, kvh, hd)[:, : g.max_context_len].transpose(1, 2)
+        vg = vg.view(n, span, kvh, hd)[:, : g.max_context_len].transpose(1, 2)
+        qg = q if g.q_index is None else q.index_select(0, g.q_index)
+        if g.causal:
+            assert g.out_rows is None  # equal lengths: nothing padded
+            # Fresh equal-length prompts: positions equal row indices, so
+            # SDPA's top-left causal flag is exact and no mask is read.
+            qh = qg.view(n, max_q, self.num_heads, hd).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qh, kg, vg, is_causal=True, scale=self.scale, enable_gqa=gs > 1
+            )
+            return out.transpose(1, 2).reshape(n * max_q, self.num_heads, hd)
+        # (n*max_q, heads, hd) -> (n, kvh, max_q*gs, hd); head h = kv head h // gs.
+        # A view when max_q == 1, one small copy otherwise.
+        qg = qg.view(n, max_q, kvh, gs, hd).transpose(1, 2).reshape(n, kvh, max_q * gs, hd)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
+        out = out.view(n, kvh, max_q, gs, hd).transpose(1, 2).reshape(n * max_q, self.num_heads, hd)
+        if g.out_rows is not None:
+            out = out.index_select(0, g.out_rows)
+        return out

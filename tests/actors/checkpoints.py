@@ -1,0 +1,226 @@
+"""Seeded tiny Hugging Face checkpoints and a dense reference attention, for tests.
+
+Importable from any test folder (``from tests.actors.checkpoints import ...``).
+Every builder writes a real ``save_pretrained`` folder whose weights are
+drawn from a seeded generator, with std large enough that attention is far
+from uniform (so a RoPE or masking mistake changes the logits visibly) and
+with random biases and norm weights (HF initialises those to 0/1, which
+would hide a dropped bias).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+from kvcache.attention_backend import AttentionBackend, StepLayout
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def llama_config(**overrides: Any) -> LlamaConfig:
+    """Tiny Llama with GQA (4 query heads, 2 KV heads)."""
+    kw = {**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    return LlamaConfig(**{**kw, **overrides})
+
+
+def llama3_config() -> LlamaConfig:
+    """Tiny Llama with llama3 rope scaling, attention and MLP biases."""
+    return llama_config(rope_parameters=dict(LLAMA3_ROPE), attention_bias=True, mlp_bias=True)
+
+
+def qwen2_config() -> Qwen2Config:
+    """Tiny Qwen2: q/k/v bias, MQA (1 KV head), tied embeddings."""
+    kw = {**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": True}
+    return Qwen2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def mistral_config(sliding_window: int | None = 128) -> MistralConfig:
+    """Tiny Mistral with an explicit head_dim (16 != 64 / 8) and a sliding window."""
+    kw = {**_COMMON, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
+    return MistralConfig(**kw, sliding_window=sliding_window, tie_word_embeddings=False)
+
+
+def build_hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """An fp32 eager-attention HF model with seeded weights (the oracle)."""
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                std = 0.1 if name.endswith(".bias") else 1.0 / p.shape[-1] ** 0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def write_checkpoint(
+    folder: Path, config: PretrainedConfig, *, seed: int = 0, max_shard_size: str | None = None
+) -> Path:
+    """``save_pretrained`` a seeded model into ``folder`` (sharded when ``max_shard_size``)."""
+    model = build_hf_model(config, seed)
+    kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+class DenseAttention(AttentionBackend):
+    """Reference backend: per-sequence K/V kept in Python lists, plain softmax attention.
+
+    A sequence is identified by the first page of its page table (tests give
+    each sequence its own), so several sequences may share one step.
+    """
+
+    def __init__(self, num_layers: int, scale: float) -> None:
+        self.scale = scale
+        self.k: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self.v: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self.layout: StepLayout | None = None
+
+    def plan(self, layout: StepLayout) -> None:
+        self.layout = layout
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self.layout is not None
+        outs, start = [], 0
+        for qlen, ctx, pages in zip(
+            self.layout.query_lens, self.layout.context_lens, self.layout.page_tables, strict=True
+        ):
+            seq, end = pages[0], start + qlen
+            for store, new in ((self.k, k), (self.v, v)):
+                old = store[layer_id].get(seq, new[:0])
+                store[layer_id][seq] = torch.cat([old, new[start:end]])
+            keys, values = self.k[layer_id][seq], self.v[layer_id][seq]
+            assert keys.shape[0] == ctx, (keys.shape, ctx)
+            groups = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys.double()) * self.scale
+            qpos = torch.arange(ctx - qlen, ctx)[:, None]
+            scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
+            outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).to(q.dtype))
+            start = end
+        return torch.cat(outs)
+
+
+def new_dense(model: Any) -> DenseAttention:
+    """A fresh dense backend sized for our ``LlamaForCausalLM``."""
+    return DenseAttention(model.num_layers, model.scale)
+
+
+def step_logits(model: Any, attn: AttentionBackend, seqs: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+    """Run one step for ``(seq_id, new_tokens, num_cached)`` triples; logits per sequence.
+
+    ``seq_id`` doubles as the sequence's single page id, so the dense backend
+    (and a paged backend with one big page per sequence) can tell them apart.
+    """
+    ids = [t for _, toks, _ in seqs for t in toks]
+    pos = [n + i for _, toks, n in seqs for i in range(len(toks))]
+    attn.plan(
+        StepLayout(
+            query_lens=[len(toks) for _, toks, _ in seqs],
+            context_lens=[n + len(toks) for _, toks, n in seqs],
+            page_tables=[[sid] for sid, _, _ in seqs],
+        )
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.tensor(pos), attn)
+        logits = model.compute_logits(hidden)
+    return list(logits.split([len(toks) for _, toks, _ in seqs]))
+
+
+def prefill_then_decode(model: Any, attn: AttentionBackend, tokens: list[int], prefix: int) -> torch.Tensor:
+    """Logits (T, vocab) for ``tokens``: one prefill of ``prefix`` then one token per step."""
+    rows = [step_logits(model, attn, [(0, tokens[:prefix], 0)])[0]]
+    for i in range(prefix, len(tokens)):
+        rows.append(step_logits(model, attn, [(0, [tokens[i]], i)])[0])
+    return torch.cat(rows)
+
+
+def greedy(model: Any, attn: AttentionBackend, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation through ``attn``: prefill, then decode one token per step."""
+    out: list[int] = []
+    logits = step_logits(model, attn, [(0, prompt, 0)])[0]
+    for _ in range(num_tokens):
+        out.append(int(logits[-1].argmax()))
+        if len(out) < num_tokens:
+            logits = step_logits(model, attn, [(0, [out[-1]], len(prompt) + len(out) - 1)])[0]
+    return out
+
+
+def hf_logits(hf_model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """The oracle: HF logits (T, vocab) for one sequence."""
+    with torch.inference_mode():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def hf_greedy(hf_model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    """HF ``generate`` greedy continuation that never stops early at EOS."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        # An explicit mask: otherwise generate masks prompt tokens equal to pad_token_id.
+        out = hf_model.generate(  # type: ignore[operator]
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_tokens,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def tensor_parallel_worker(rank: int, world_size: int, model_dirs: list[str], init_file: str, out_dir: str) -> None:
+    """One gloo rank: load shard ``rank`` of each model and save its logits for ``TP_PROMPT``.
+
+    Module-level so ``torch.multiprocessing.spawn`` can import it; one spawn
+    serves several models because starting processes is the slow part.
+    """
+    import torch.distributed as dist
+
+    from actors.loader import load_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        for i, model_dir in enumerate(model_dirs):
+            loaded = load_model(
+                model_dir, dtype=torch.float32, device="cpu", max_model_len=64, rank=rank, world_size=world_size
+            )
+            # Really sharded: half the vocab rows and half the query heads on this rank.
+            assert loaded.model.model.embed_tokens.weight.shape[0] == loaded.model.vocab_size // world_size
+            assert loaded.model.num_heads * world_size == loaded.hf_config.num_attention_heads
+            logits = step_logits(loaded.model, new_dense(loaded.model), [(0, TP_PROMPT, 0)])[0]
+            torch.save(logits, f"{out_dir}/logits{i}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+TP_PROMPT = [1, 17, 300, 4, 4, 99, 511, 256, 3, 0]

@@ -1,0 +1,179 @@
+"""The engine step loop: scheduler + executor + detokenization, in one process.
+
+``LLMEngine.step()`` runs one engine step and returns one delta per sequence
+that changed, so a caller (the offline API, the scheduler actor) publishes one
+message per step carrying every request's progress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.detokenizer import IncrementalDetokenizer
+from actors.engine_config import EngineConfig
+from actors.executor import Executor, LocalExecutor
+from actors.loader import load_tokenizer
+from actors.log import get_logger
+from actors.outputs import SequenceDelta
+from actors.stop_checker import StopChecker
+from kvcache.page_allocator import PageAllocator
+from scheduling.errors import InvalidParameterError
+from scheduling.request import Request
+from scheduling.sampling_params import SamplingParams
+from scheduling.scheduler import Scheduler
+
+logger = get_logger(__name__.rsplit(".", 1)[-1])
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """Engine-side state of one scheduled sequence (one of a request's n)."""
+
+    request_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    want_logprobs: bool
+
+
+class LLMEngine:
+    """Owns the scheduler, the executor and every sequence's text state."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor if executor is not None else LocalExecutor(config)
+        self.tokenizer = load_tokenizer(self.executor.model_path)
+        self.vocab_size = self.executor.vocab_size
+        self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.allocator = PageAllocator(self.executor.capacity.num_pages)
+        self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
+        self._seqs: dict[str, _Sequence] = {}  # scheduler request id -> state
+        self._groups: dict[str, list[str]] = {}  # client request id -> scheduler ids
+
+    # ----------------------------------------------------------------- intake
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt; ids out of the vocabulary are refused."""
+        if isinstance(prompt, str):
+            ids: list[int] = self.tokenizer(prompt)["input_ids"]
+            return ids
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise InvalidParameterError("prompt", "must be a string or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParameterError(
+                "prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        namespace: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> int:
+        """Queue a request (``params.n`` sequences); returns its prompt length."""
+        if request_id in self._groups:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        children: list[str] = []
+        try:
+            for i in range(params.n):
+                child_params = params
+                if params.n > 1 and params.seed is not None:
+                    child_params = _with_seed(params, params.seed + i)
+                sid = request_id if params.n == 1 else f"{request_id}#{i}"
+                req = Request(sid, ids, child_params, namespace=namespace, eos_token_id=self.eos_token_id)
+                # Siblings start from the first one's prompt pages: computed once.
+                self.scheduler.add(req, share_prompt_with=children[0] if children else None)
+                children.append(sid)
+                self._seqs[sid] = _Sequence(
+                    request_id, i, IncrementalDetokenizer(self.tokenizer, ids),
+                    StopChecker(child_params, self.eos_token_id), params.logprobs is not None,
+                )
+        except Exception:
+            for sid in children:
+                self.scheduler.abort(sid)
+                self._seqs.pop(sid, None)
+            raise
+        self._groups[request_id] = children
+        return len(ids)
+
+    def abort(self, request_id: str) -> list[SequenceDelta]:
+        """Abort every sequence of a request; returns their final deltas."""
+        deltas = []
+        for sid in self._groups.pop(request_id, []):
+            req = self.scheduler.abort(sid)
+            seq = self._seqs.pop(sid, None)
+            if req is not None and seq is not None:
+                deltas.append(SequenceDelta(
+                    request_id, seq.index, [], "", None, "abort",
+                    req.num_prompt_tokens, req.num_cached_tokens,
+                ))
+        return deltas
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[SequenceDelta]:
+        """Run one engine step; return one delta per sequence that gained text or ended."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        output = self.executor.execute(batch)
+        update = self.scheduler.update(batch, output)
+        finished_ids = {r.request_id for r in update.finished}
+        deltas: list[SequenceDelta] = []
+        for req, token, row in update.sampled:
+            seq = self._seqs[req.request_id]
+            text, stop_reason = seq.stop.on_token(token, seq.detokenizer.add(token))
+            done = req.request_id in finished_ids
+            if stop_reason is not None and not done:
+                self.scheduler.finish(req.request_id, stop_reason)  # a stop string
+                done = True
+            reason: str | None = None
+            if done:
+                reason = stop_reason or req.finish_reason
+                if stop_reason is None:
+                    text += _flush(seq)  # ended by length: release held-back text
+            lp = output.logprobs[row]
+            deltas.append(SequenceDelta(
+                seq.request_id, seq.index, [token], text,
+                [lp] if seq.want_logprobs and lp is not None else ([] if seq.want_logprobs else None),
+                reason, req.num_prompt_tokens, req.num_cached_tokens,
+            ))
+            if done:
+                self._forget(req)
+        return deltas
+
+    def _forget(self, req: Request) -> None:
+        seq = self._seqs.pop(req.request_id)
+        group = self._groups.get(seq.request_id)
+        if group is not None and all(sid not in self._seqs for sid in group):
+            del self._groups[seq.request_id]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _flush(seq: _Sequence) -> str:
+    """Text still held when a sequence ends by length: detokenizer tail, then stop hold-back."""
+    tail = seq.detokenizer.flush()
+    emitted, _ = seq.stop.on_text(tail) if tail else ("", None)
+    return emitted + seq.stop.finish()
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

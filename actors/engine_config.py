@@ -1,0 +1,113 @@
+"""The one configuration object of an engine, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from scheduling.errors import InvalidParameterError
+from scheduling.scheduler_config import SchedulerConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine (one replica).
+
+    ``kv_cache_memory_fraction`` is the share of free device memory (free RAM
+    on CPU) the KV pool may take, like vLLM's gpu_memory_utilization;
+    ``num_kv_pages`` overrides it. ``dtype="auto"`` is float32 on CPU and
+    bfloat16 on CUDA. Errors name the parameter and, where two settings
+    disagree, both values.
+    """
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    kv_cache_memory_fraction: float | None = None
+    num_kv_pages: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    executor: str = "local"  # the Ray executor (tensor parallel shards) is a later step
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidParameterError("model", "must be a model folder, hub id or embedded name")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidParameterError("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise InvalidParameterError(
+                "kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise InvalidParameterError("num_kv_pages", f"must be >= 1, got {self.num_kv_pages}")
+        if self.tensor_parallel_size < 1:
+            raise InvalidParameterError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise InvalidParameterError(
+                "attention_backend", f"must be auto, torch or flashinfer, got {self.attention_backend!r}"
+            )
+        if self.executor not in ("local",):
+            raise InvalidParameterError("executor", f"must be 'local', got {self.executor!r}")
+        if self.tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size {self.tensor_parallel_size} needs several shards; "
+                f"the in-process executor ({self.executor!r}) runs one",
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InvalidParameterError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        self.scheduler_config()  # validates the scheduling limits, naming both values
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments; an unknown one is an error that names it."""
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                raise InvalidParameterError(name, f"unknown engine option; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            page_size=self.page_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def memory_fraction(self) -> float:
+        """The KV share of free memory: 0.9 of a GPU, 0.1 of host RAM by default."""
+        if self.kv_cache_memory_fraction is not None:
+            return self.kv_cache_memory_fraction
+        return 0.9 if self.resolved_device().type == "cuda" else 0.1

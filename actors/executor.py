@@ -1,0 +1,48 @@
+"""Executors run one ``Batch`` per engine step on the model shards.
+
+``LocalExecutor`` holds the one shard in-process; the Ray executor (one call
+per step to every tensor-parallel rank) has the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from actors.engine_config import EngineConfig
+from kvcache.kv_pool import KVCapacity
+from scheduling.batch import Batch, StepOutput
+
+
+class Executor(ABC):
+    """Runs steps; reports the KV capacity the scheduler may hand out."""
+
+    capacity: KVCapacity
+    model_path: Path
+    vocab_size: int
+
+    @abstractmethod
+    def execute(self, batch: Batch) -> StepOutput:
+        """Run one step and return the sampled tokens (aligned with ``batch.sample_indices``)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the shards and their memory."""
+
+
+class LocalExecutor(Executor):
+    """The whole model in this process (tensor_parallel_size 1)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from actors.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config)
+        self.capacity = self.runner.capacity
+        self.model_path = self.runner.model_path
+        self.vocab_size = self.runner.vocab_size
+
+    def execute(self, batch: Batch) -> StepOutput:
+        return self.runner.execute(batch)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in-process; the runner's tensors go with this object."""

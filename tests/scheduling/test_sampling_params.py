@@ -45,3 +45,11 @@ def test_defaults_and_normalisation() -> None:
     assert p.greedy and not p.needs_penalties
     assert SamplingParams(frequency_penalty=0.5).needs_penalties
     assert SamplingParams(repetition_penalty=1.2).needs_penalties
+
+
+def test_errors_survive_pickling_with_param() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(InvalidParameterError("top_p", "must be in (0, 1]")))
+    assert type(err) is InvalidParameterError
+    assert err.param == "top_p" and str(err) == "top_p: must be in (0, 1]"

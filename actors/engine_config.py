@@ -20,6 +20,9 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
+# Ray placement-group strategies for the tensor-parallel shards of one engine.
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -28,8 +31,11 @@ class EngineConfig:
     ``kv_cache_memory_fraction`` is the share of free device memory (free RAM
     on CPU) the KV pool may take, like vLLM's gpu_memory_utilization;
     ``num_kv_pages`` overrides it. ``dtype="auto"`` is float32 on CPU and
-    bfloat16 on CUDA. Errors name the parameter and, where two settings
-    disagree, both values.
+    bfloat16 on CUDA. ``executor="ray"`` runs one ``ModelShardActor`` per
+    tensor-parallel rank in a placement group built with
+    ``placement_strategy`` (PACK by default: ranks share a node when they fit,
+    which keeps the all-reduce off the network). Errors name the parameter
+    and, where two settings disagree, both values.
     """
 
     model: str = "tiny"
@@ -44,7 +50,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
-    executor: str = "local"  # the Ray executor (tensor parallel shards) is a later step
+    executor: str = "local"
+    placement_strategy: str = "PACK"
     device: str = "auto"
     seed: int = 0
 
@@ -65,13 +72,18 @@ class EngineConfig:
             raise InvalidParameterError(
                 "attention_backend", f"must be auto, torch or flashinfer, got {self.attention_backend!r}"
             )
-        if self.executor not in ("local",):
-            raise InvalidParameterError("executor", f"must be 'local', got {self.executor!r}")
-        if self.tensor_parallel_size > 1:
+        if self.executor not in ("local", "ray"):
+            raise InvalidParameterError("executor", f"must be 'local' or 'ray', got {self.executor!r}")
+        if self.tensor_parallel_size > 1 and self.executor != "ray":
             raise InvalidParameterError(
                 "tensor_parallel_size",
                 f"tensor_parallel_size {self.tensor_parallel_size} needs several shards; "
-                f"the in-process executor ({self.executor!r}) runs one",
+                f"the in-process executor ({self.executor!r}) runs one: use executor='ray'",
+            )
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise InvalidParameterError(
+                "placement_strategy",
+                f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}",
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidParameterError("device", f"must be auto, cpu or cuda, got {self.device!r}")

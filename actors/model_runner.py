@@ -1,7 +1,9 @@
 """Runs one ``Batch`` through the model on the paged KV cache and samples.
 
 One ``ModelRunner`` is one tensor-parallel rank: it holds its shard of the
-weights and its slice of the KV pool. It knows nothing of requests.
+weights and its slice of the KV pool. It knows nothing of requests. With
+``world_size > 1`` the caller has joined ``torch.distributed`` first (see
+``actors.distributed``): every rank runs every step, and only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -56,12 +58,22 @@ def _default_cpu_pages(config: EngineConfig, device: torch.device, fraction_page
     return min(wanted, fraction_pages) if fraction_pages > 0 else None
 
 
+def _min_across_ranks(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over the process group (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 class ModelRunner:
     """Model shard + KV pool + attention backend + sampler for one rank."""
 
     def __init__(self, config: EngineConfig, *, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
         self.rank = rank
+        self.world_size = world_size
         self.device = config.resolved_device()
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
@@ -77,20 +89,28 @@ class ModelRunner:
         per_page = bytes_per_page(m.num_layers, config.page_size, m.num_kv_heads, m.head_dim, self.dtype)
         available = available_memory_bytes(self.device)
         fraction_pages = int(config.memory_fraction() * available) // per_page
-        self.capacity: KVCapacity = plan_num_pages(
-            num_pages=_default_cpu_pages(config, self.device, fraction_pages),
-            kv_cache_memory_fraction=config.memory_fraction(),
-            available_bytes=available,
-            bytes_per_page=per_page,
-            page_size=config.page_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-        )
+
+        def plan(num_pages: int | None) -> KVCapacity:
+            return plan_num_pages(
+                num_pages=num_pages, kv_cache_memory_fraction=config.memory_fraction(),
+                available_bytes=available, bytes_per_page=per_page, page_size=config.page_size,
+                max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            )
+
+        self.capacity: KVCapacity = plan(_default_cpu_pages(config, self.device, fraction_pages))
+        if world_size > 1:
+            # Page ids are global: page p of every rank holds that page's slice
+            # of the KV heads, so every rank must hold the same number of pages.
+            # Free memory differs per rank; the smallest pool fits everywhere.
+            agreed = _min_across_ranks(self.capacity.num_pages, self.device)
+            if agreed != self.capacity.num_pages:
+                self.capacity = plan(agreed)
         self.pool = KVPool(
             num_layers=m.num_layers, num_pages=self.capacity.num_pages, page_size=config.page_size,
             num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=self.dtype, device=self.device,
         )
-        logger.info(self.capacity.describe())
+        if rank == 0:  # one report per engine, not one per shard
+            logger.info(self.capacity.describe())
         self.attn = make_attention_backend(
             config, self.pool, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim
         )
@@ -102,7 +122,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
-        """Forward the step's tokens, then sample one token per sampled sequence."""
+        """Forward the step's tokens, then sample one token per sampled sequence.
+
+        Ranks other than 0 run the same forward (and logits: the collectives
+        need every rank) but return an empty ``StepOutput``.
+        """
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
@@ -119,7 +143,12 @@ class ModelRunner:
                 total += n
                 ends.append(total - 1)
             rows = hidden[torch.tensor([ends[i] for i in batch.sample_indices], device=dev)]
+        # Every rank computes logits: the vocab-parallel head all-gathers them.
         logits = self.model.compute_logits(rows)
+        if self.rank != 0:
+            # Only rank 0 samples (its tokens are the step's answer); sampling
+            # on every rank would only burn time and advance seeded generators.
+            return StepOutput([], [])
         return self.sampler.sample(
             logits, batch.sampling_params, batch.num_output_tokens,
             batch.prompt_token_ids, batch.output_token_ids,

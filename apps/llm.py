@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from actors.engine import LLMEngine
 from actors.engine_config import EngineConfig
+from actors.executor import Executor
 from actors.outputs import CompletionOutput, RequestOutput
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
@@ -26,12 +27,31 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are ``EngineConfig`` fields."""
+    """An engine in this process. Keyword arguments are ``EngineConfig`` fields.
+
+    With ``executor="ray"`` the model runs as ``tensor_parallel_size`` shard
+    actors on the Ray cluster (``ray.init()`` is called if Ray is not
+    initialised); the scheduler and detokenization stay in this process.
+    """
 
     def __init__(self, model: str = "tiny", **engine_config: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_config)
-        self.engine = LLMEngine(self.config)
+        executor: Executor | None = None
+        if self.config.executor == "ray":
+            from actors.ray_executor import RayExecutor  # Ray is imported only when asked for
+
+            executor = RayExecutor(self.config)
+        try:
+            self.engine = LLMEngine(self.config, executor)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()  # the shards would otherwise outlive this failed LLM
+            raise
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the model (for ``executor="ray"``: kill the shard actors)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self) -> Any:

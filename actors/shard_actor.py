@@ -1,0 +1,138 @@
+"""One tensor-parallel rank of an engine, as a Ray actor.
+
+``RayExecutor`` starts one ``ModelShardActor`` per rank inside that rank's
+placement-group bundle, then drives it in three calls:
+
+1. ``rendezvous()`` on rank 0 only: rank 0's node IP and a port free there;
+2. ``start(rendezvous)`` on every rank at once: join ``torch.distributed``
+   (the join blocks until all ranks arrive), build the ``ModelRunner``
+   (which loads only this rank's weight shard and agrees on the KV pool size
+   with the other ranks), and report a ``ShardInfo``;
+3. ``execute(batch)`` on every rank for every step: all ranks run the
+   forward (the collectives need them all); rank 0 samples and returns the
+   ``StepOutput``, the others return None.
+
+The class is plain Python; ``ray.remote`` is applied by the executor, so this
+module needs no Ray cluster to import.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.distributed import Rendezvous, destroy_distributed, init_distributed, new_rendezvous
+from actors.engine_config import EngineConfig
+from actors.model_runner import ModelRunner
+from kvcache.kv_pool import KVCapacity
+from scheduling.batch import Batch, StepOutput
+from scheduling.errors import InvalidParameterError
+
+
+class ShardConfigError(Exception):
+    """A user error (``InvalidParameterError``) raised while a shard started.
+
+    It crosses the Ray boundary in this form because ``InvalidParameterError``
+    does not unpickle (its ``__init__`` takes two arguments, ``args`` holds
+    one); the executor raises it again as ``InvalidParameterError``.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(param, message)
+        self.param = param
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.param}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """What a started shard reports: where it runs and what it holds."""
+
+    rank: int
+    world_size: int
+    node_id: str
+    pid: int
+    capacity: KVCapacity
+    model_path: Path
+    vocab_size: int
+
+
+class ModelShardActor:
+    """Holds one rank's ``ModelRunner``; see the module docstring for the call order."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self._runner: ModelRunner | None = None  # built by start(), once the process group exists
+        self._info: ShardInfo | None = None
+        _limit_threads()
+
+    def rendezvous(self) -> Rendezvous:
+        """Rank 0's node IP and a free port there, for every rank's ``start``."""
+        return new_rendezvous()
+
+    def start(self, rendezvous: Rendezvous) -> ShardInfo:
+        """Join the process group, load this rank's shard, size the KV pool."""
+        device = self.config.resolved_device()
+        if self.world_size > 1:
+            init_distributed(rendezvous, rank=self.rank, world_size=self.world_size, device=device)
+        try:
+            runner = ModelRunner(self.config, rank=self.rank, world_size=self.world_size)
+        except InvalidParameterError as err:
+            raise ShardConfigError(err.param, err.message) from None
+        self._runner = runner
+        self._info = ShardInfo(
+            rank=self.rank, world_size=self.world_size, node_id=_node_id(), pid=os.getpid(),
+            capacity=runner.capacity, model_path=runner.model_path, vocab_size=runner.vocab_size,
+        )
+        return self._info
+
+    def execute(self, batch: Batch) -> StepOutput | None:
+        """Run one step on this rank; rank 0's return value is the step's output."""
+        runner = self._runner
+        if runner is None:
+            raise RuntimeError(f"shard rank {self.rank} executed before start()")
+        out = runner.execute(batch)
+        return out if self.rank == 0 else None
+
+    def ping(self) -> ShardInfo:
+        """Health check: answers while the actor lives and has started."""
+        if self._info is None:
+            raise RuntimeError(f"shard rank {self.rank} has not started")
+        return self._info
+
+    def shutdown(self) -> None:
+        """Leave the process group (the executor kills the actor afterwards)."""
+        self._runner = None
+        destroy_distributed()
+
+
+def _node_id() -> str:
+    """The Ray node this process runs on ("" outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        return ""
+
+
+def _limit_threads() -> None:
+    """Use as many intra-op threads as CPUs this actor was given (at least one).
+
+    The shards of one node share its cores; torch's default (every core)
+    would have them spin against each other inside every matmul.
+    """
+    try:
+        import ray
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    except Exception:  # noqa: BLE001 - outside Ray (a plain test): one thread
+        cpus = 1.0
+    torch.set_num_threads(max(1, int(cpus)))

@@ -14,9 +14,10 @@ from actors.engine_config import EngineConfig
 from actors.executor import Executor, LocalExecutor
 from actors.loader import load_tokenizer
 from actors.log import get_logger
-from actors.outputs import SequenceDelta
+from actors.outputs import SequenceDelta, SequenceTiming
 from actors.stop_checker import StopChecker
 from kvcache.page_allocator import PageAllocator
+from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
@@ -49,6 +50,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self._seqs: dict[str, _Sequence] = {}  # scheduler request id -> state
         self._groups: dict[str, list[str]] = {}  # client request id -> scheduler ids
+        # The batch whose execute() raised, until fail_step/fail_all settles it:
+        # its scheduler bookkeeping is still open and its requests' state unknown.
+        self._failed_batch: Batch | None = None
 
     # ----------------------------------------------------------------- intake
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -105,16 +109,64 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Abort every sequence of a request; returns their final deltas."""
+        return self._end_group(request_id, "abort", None)
+
+    def fail_step(self, message: str) -> list[SequenceDelta]:
+        """After ``step()`` raised from the executor: end the failed step's requests.
+
+        The requests running in that step end with finish_reason "error" and
+        ``message``; their pages are freed (the computed ones stay in the
+        prefix cache, whose KV the failed forward did not touch). Waiting
+        requests are untouched, so the engine keeps serving them.
+        """
+        batch, self._failed_batch = self._failed_batch, None
+        if batch is None:
+            return []
+        groups = dict.fromkeys(self._seqs[r.request_id].request_id for r in self.scheduler.running)
+        deltas = [d for rid in groups for d in self._end_group(rid, "error", message)]
+        self._close(batch)
+        return deltas
+
+    def fail_all(self, message: str, *, kv_lost: bool = False) -> list[SequenceDelta]:
+        """End every unfinished request with finish_reason "error" and ``message``.
+
+        Every page goes back to the allocator or the prefix cache at once;
+        with ``kv_lost`` (the shards that held the KV pool died) the prefix
+        cache is emptied too, since its pages no longer hold valid KV.
+        """
+        deltas = [d for rid in list(self._groups) for d in self._end_group(rid, "error", message)]
+        batch, self._failed_batch = self._failed_batch, None
+        if batch is not None:
+            self._close(batch)
+        if kv_lost and self.scheduler.cache is not None:
+            self.scheduler.cache.reset()
+        return deltas
+
+    def _end_group(self, request_id: str, reason: str, error: str | None) -> list[SequenceDelta]:
         deltas = []
         for sid in self._groups.pop(request_id, []):
             req = self.scheduler.abort(sid)
             seq = self._seqs.pop(sid, None)
             if req is not None and seq is not None:
                 deltas.append(SequenceDelta(
-                    request_id, seq.index, [], "", None, "abort",
-                    req.num_prompt_tokens, req.num_cached_tokens,
+                    request_id, seq.index, [], "", None, reason,
+                    req.num_prompt_tokens, req.num_cached_tokens, error, _timing(req),
                 ))
         return deltas
+
+    def _close(self, batch: Batch) -> None:
+        """Settle a failed step's scheduler bookkeeping once its requests are aborted.
+
+        ``Scheduler.update`` skips requests that are no longer running, so a
+        placeholder output only drops the step's in-flight record.
+        """
+        n = len(batch.sample_indices)
+        self.scheduler.update(batch, StepOutput([0] * n, [None] * n))
+
+    @property
+    def has_failed_step(self) -> bool:
+        """True after ``step()`` raised from the executor, until ``fail_step``/``fail_all``."""
+        return self._failed_batch is not None
 
     @property
     def has_unfinished(self) -> bool:
@@ -130,7 +182,29 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        output = self.executor.execute(batch)
+        return self.finish_step(batch, self.execute(batch))
+
+    # A caller that overlaps intake with the forward (the scheduler actor) runs
+    # step() in three phases: schedule() and finish_step() under its engine
+    # lock, execute() without it (it reads only the immutable Batch).
+    def schedule(self) -> Batch | None:
+        """Plan the next step; None when there is nothing to run."""
+        return self.scheduler.schedule()
+
+    def execute(self, batch: Batch) -> StepOutput:
+        """Run a planned step on the executor; touches no request state."""
+        try:
+            return self.executor.execute(batch)
+        except BaseException:
+            # The caller settles it with fail_step() or fail_all().
+            self._failed_batch = batch
+            raise
+
+    def finish_step(self, batch: Batch, output: StepOutput) -> list[SequenceDelta]:
+        """Apply a step's sampled tokens: detokenize, check stops, emit deltas.
+
+        Requests aborted while the step ran are skipped (the scheduler drops them).
+        """
         update = self.scheduler.update(batch, output)
         finished_ids = {r.request_id for r in update.finished}
         deltas: list[SequenceDelta] = []
@@ -151,6 +225,7 @@ class LLMEngine:
                 seq.request_id, seq.index, [token], text,
                 [lp] if seq.want_logprobs and lp is not None else ([] if seq.want_logprobs else None),
                 reason, req.num_prompt_tokens, req.num_cached_tokens,
+                None, _timing(req) if done else None,
             ))
             if done:
                 self._forget(req)
@@ -164,6 +239,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _timing(req: Request) -> SequenceTiming:
+    return SequenceTiming(
+        req.arrival_time, req.first_token_time, req.last_token_time, len(req.output_token_ids)
+    )
 
 
 def _flush(seq: _Sequence) -> str:

@@ -13,7 +13,9 @@ class SequenceDelta:
 
     ``index`` is the sequence's place among the request's ``n``.
     ``finish_reason`` is set on the sequence's last delta: "stop", "length",
-    "abort" or "error".
+    "abort" or "error"; with "error", ``error`` says what went wrong.
+    ``timing`` is set on the last delta only (one object per finished
+    sequence keeps the per-step message small).
     """
 
     request_id: str
@@ -24,6 +26,36 @@ class SequenceDelta:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None
+    timing: SequenceTiming | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceTiming:
+    """When a sequence arrived and produced tokens, on the engine's monotonic clock.
+
+    Only differences are meaningful (the clock is the engine process's
+    ``time.monotonic``), which is why the derived latencies are offered too.
+    """
+
+    arrival_time: float
+    first_token_time: float | None
+    last_token_time: float | None
+    num_output_tokens: int
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, or None if no token was produced."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first, or None with fewer than two."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -35,6 +67,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -62,4 +95,5 @@ class RequestOutput:
             out.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             out.finish_reason = delta.finish_reason
+            out.error = delta.error
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)

@@ -3,6 +3,8 @@
   flotilla bench scheduler            Python cost of scheduling (JSON)
   flotilla bench offline --model M --workload W.jsonl
                                       offline throughput on a JSONL workload (JSON)
+  flotilla bench ray-overhead --model M --workload W.jsonl
+                                      in-process engine vs SchedulerActor on Ray (JSON)
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from cluster.plan_cli import add_plan_parser
 
 
 def _bench_scheduler(args: argparse.Namespace) -> int:
@@ -40,9 +44,26 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ray_overhead(args: argparse.Namespace) -> int:
+    from cluster.bench_ray_overhead import run
+
+    engine: dict[str, object] = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": args.prefix_caching,
+    }
+    if args.num_kv_pages is not None:
+        engine["num_kv_pages"] = args.num_kv_pages
+    result = run(args.model, args.workload, threads=args.threads, executor=args.executor,
+                 runs=args.runs, **engine)
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flotilla", description="Elastic LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -64,6 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="off by default, like the vLLM peer script")
     off.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     off.set_defaults(func=_bench_offline)
+
+    rov = bench_sub.add_parser("ray-overhead", help="in-process engine vs the SchedulerActor on Ray")
+    rov.add_argument("--model", default="tiny", help="model folder, hub id, or tiny/small")
+    rov.add_argument("--workload", required=True, help="JSONL file (make_workload.py format)")
+    rov.add_argument("--executor", choices=("local", "ray"), default="local",
+                     help="the actor's executor: in-actor (local) or one RayExecutor shard")
+    rov.add_argument("--threads", type=int, default=1, help="torch threads on each side")
+    rov.add_argument("--runs", type=int, default=3, help="alternating runs of each path; medians")
+    rov.add_argument("--max-num-seqs", type=int, default=64)
+    rov.add_argument("--max-model-len", type=int, default=2048)
+    rov.add_argument("--num-kv-pages", type=int, default=None)
+    rov.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                     help="off by default, like bench offline")
+    rov.set_defaults(func=_bench_ray_overhead)
     return parser
 
 

@@ -1,0 +1,276 @@
+"""The central scheduler of one replica: an async Ray actor around an ``LLMEngine``.
+
+Step loop: a background asyncio task runs engine steps while there is work
+and otherwise awaits an ``asyncio.Event`` that ``submit`` sets. Each step is
+``engine.schedule()`` -> ``engine.execute(batch)`` on one dedicated thread ->
+``engine.finish_step()``, so ``submit``/``abort``/``stats``/``health`` are
+served while the model runs.
+
+Invariant (why there are no data races): the engine's request state
+(scheduler queues, pages, sequences) is touched only on the event loop while
+holding ``self._lock``. The forward runs without the lock because it reads
+only the immutable ``Batch``; a request aborted meanwhile frees its pages at
+once (no page is reallocated before the next ``schedule()``, and
+``finish_step`` skips it). The executor is touched only by the step loop
+(``execute`` or ``restart``, never both at once). Consumer queues and
+waiters are touched only on the event loop.
+
+Output channel: one ``StepMessage`` per engine step per consumer, holding all
+of that consumer's deltas; ``next_outputs`` long-polls a bounded queue of
+them (see ``actors.step_messages``).
+
+Faults: ``ExecutorFailure`` from a step ends every unfinished request with
+finish_reason "error", frees every page (the prefix cache too: the KV pool
+died with the shards), reports not-ok health while ``executor.restart()``
+runs, then serves again. Any other exception from the executor fails only
+that step's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+from actors.engine import LLMEngine
+from actors.engine_config import EngineConfig
+from actors.engine_stats import EngineStats, LatencyWindow, snapshot
+from actors.errors import ExecutorFailure
+from actors.executor import Executor, LocalExecutor
+from actors.log import get_logger
+from actors.outputs import CompletionOutput, RequestOutput, SequenceDelta
+from actors.step_messages import HealthStatus, OutputRouter, StepMessage
+from scheduling.batch import Batch, StepOutput
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
+
+logger = get_logger(__name__.rsplit(".", 1)[-1])
+
+ExecutorFactory = Callable[[EngineConfig], Executor]
+
+
+def default_executor(config: EngineConfig) -> Executor:
+    """``LocalExecutor``, or the tensor-parallel ``RayExecutor`` when ``config.executor == "ray"``."""
+    if config.executor == "ray":
+        from actors.ray_executor import RayExecutor  # type: ignore[import-not-found,unused-ignore]
+
+        executor: Executor = RayExecutor(config)
+        return executor
+    return LocalExecutor(config)
+
+
+class SchedulerService:
+    """The scheduler actor's logic (``SchedulerActor`` is this class as a Ray actor).
+
+    ``max_messages`` bounds each consumer's queue; a consumer that has not
+    polled for ``consumer_timeout_s`` is presumed dead: its requests are
+    aborted (their pages freed) and its queue dropped.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        executor_factory: ExecutorFactory | None = None,
+        max_messages: int = 256,
+        consumer_timeout_s: float = 300.0,
+        latency_window: int = 1024,
+    ) -> None:
+        self.config = config
+        # One thread for every executor call, so device state stays on one thread.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._engine = LLMEngine(config, (executor_factory or default_executor)(config))
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._latency = LatencyWindow(latency_window)
+        self._router = OutputRouter(max_messages)
+        self._consumer_timeout_s = consumer_timeout_s
+        self._health = HealthStatus(True, "ok")
+        self._restart_reason: str | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------- intake
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        namespace: str | None = None,
+        *,
+        consumer_id: str = "default",
+    ) -> int:
+        """Queue a request whose deltas go to ``consumer_id``; returns its prompt length.
+
+        Invalid input raises ``InvalidParameterError`` (with ``.param``).
+        """
+        return len(await self._submit(request_id, prompt, params, namespace, consumer_id))
+
+    async def _submit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        namespace: str | None, consumer_id: str | None,
+    ) -> list[int]:
+        self._ensure_loop()
+        async with self._lock:
+            try:
+                ids = self._engine.tokenize(prompt)
+                self._engine.add_request(request_id, prompt, params, namespace=namespace, prompt_token_ids=ids)
+            except InvalidParameterError as exc:
+                # Its __init__ takes (param, message) but pickle replays ``args``
+                # (one formatted string): without this Ray cannot rebuild it.
+                exc.args = (exc.param, exc.message)
+                raise
+            self._router.register(request_id, consumer_id, params.n)
+        self._wake.set()
+        return ids
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, namespace: str | None = None
+    ) -> RequestOutput:
+        """Submit and wait for the finished output (tests, the offline path)."""
+        ids = await self._submit(request_id, prompt, params, namespace, None)
+        # No await since the request was added, so no delta can have been routed yet.
+        out = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids,
+                            [CompletionOutput(i) for i in range(params.n)])
+        fut = self._router.wait_for(out)
+        try:
+            return await fut
+        except BaseException:
+            self._router.forget_waiter(request_id)
+            if not fut.done():  # the caller cancelled: free its pages
+                await self.abort(request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request now and free its pages; False if unknown or already finished."""
+        async with self._lock:
+            deltas = self._engine.abort(request_id)
+            self._publish(deltas)
+        return bool(deltas)
+
+    # ----------------------------------------------------------------- output
+    async def next_outputs(self, consumer_id: str = "default", timeout_s: float = 1.0) -> list[StepMessage]:
+        """Every step message for ``consumer_id`` since its last call; waits up to ``timeout_s``.
+
+        Returns an empty list on timeout. One call drains the queue, so a
+        consumer that polls in a loop makes at most one call per step.
+        """
+        return await self._router.poll(consumer_id, timeout_s)
+
+    def _publish(self, deltas: list[SequenceDelta]) -> None:
+        """Route deltas under the step number last run; feed the latency window."""
+        if deltas:
+            self._latency.observe(deltas)
+            self._router.publish(self._engine.scheduler.stats.num_steps, deltas)
+
+    # -------------------------------------------------------------- step loop
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            try:
+                await self._iterate(loop)
+            except Exception:
+                # A bug outside the executor: end every request rather than hang them.
+                logger.exception("step loop error; failing every request")
+                async with self._lock:
+                    self._publish(self._engine.fail_all("internal engine error (see the replica log)"))
+
+    async def _iterate(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One pass: restart if needed, else one step, else sleep until woken."""
+        if self._restart_reason is not None:
+            await self._restart(loop)
+            return
+        async with self._lock:
+            self._reap_consumers()
+            batch = self._engine.schedule()
+            if batch is None:
+                self._wake.clear()
+        if batch is None:
+            await self._wake.wait()
+            return
+        # The forward runs without the lock: submit/abort stay served meanwhile.
+        result: StepOutput | Exception
+        try:
+            result = await loop.run_in_executor(self._thread, self._engine.execute, batch)
+        except Exception as exc:
+            result = exc
+        async with self._lock:
+            if isinstance(result, Exception):
+                self._publish(self._fail(result))
+            else:
+                self._publish(self._finish(batch, result))
+
+    def _finish(self, batch: Batch, output: StepOutput) -> list[SequenceDelta]:
+        try:
+            return self._engine.finish_step(batch, output)
+        except Exception as exc:
+            # Not the executor: the engine's own state is suspect, so end everything.
+            logger.exception("engine step failed")
+            return self._engine.fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
+
+    def _fail(self, exc: Exception) -> list[SequenceDelta]:
+        """Turn an executor error into "error" deltas; ``ExecutorFailure`` also schedules a restart."""
+        if isinstance(exc, ExecutorFailure):
+            logger.error("executor failed: %s; failing every request and restarting", exc)
+            self._restart_reason = str(exc)
+            self._health = HealthStatus(False, f"executor failed, restarting: {exc}", restarting=True)
+            return self._engine.fail_all(
+                f"the model executor failed ({exc}); the request was ended and the executor is restarting",
+                kv_lost=True,
+            )
+        logger.error("step failed in the executor: %r; failing that step's requests", exc)
+        return self._engine.fail_step(f"the engine step failed: {type(exc).__name__}: {exc}")
+
+    async def _restart(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Rebuild the executor with health not-ok; a failed restart is retried on the next submit."""
+        reason = self._restart_reason
+        self._health = HealthStatus(False, f"executor restarting after: {reason}", restarting=True)
+        try:
+            await loop.run_in_executor(self._thread, self._engine.executor.restart)
+        except Exception as exc:
+            logger.exception("executor restart failed")
+            self._health = HealthStatus(False, f"executor restart failed: {exc}")
+            async with self._lock:
+                self._wake.clear()
+                self._publish(self._engine.fail_all(f"the model executor is down: restart failed: {exc}"))
+            await self._wake.wait()
+            return
+        self._restart_reason = None
+        self._health = HealthStatus(True, "ok")
+        logger.info("executor restarted")
+
+    def _reap_consumers(self) -> None:
+        """Abort the requests of consumers that stopped polling (their replica is gone)."""
+        for rid in self._router.drop_silent(self._consumer_timeout_s):
+            logger.warning("request %s: its consumer stopped polling; aborting it", rid)
+            self._publish(self._engine.abort(rid))
+
+    # ------------------------------------------------------------------ state
+    async def stats(self) -> EngineStats:
+        """A snapshot between steps (engine state only changes on this event loop)."""
+        return snapshot(self._engine, self._latency)
+
+    async def health(self) -> HealthStatus:
+        """Not ok while the executor is being restarted (or could not be)."""
+        return self._health
+
+    async def shutdown(self) -> None:
+        """Fail what is left, stop the loop and release the executor."""
+        self._closed = True
+        self._wake.set()
+        async with self._lock:
+            self._publish(self._engine.fail_all("the replica is shutting down"))
+        if self._loop_task is not None:
+            await asyncio.wait({self._loop_task}, timeout=10.0)
+        self._engine.shutdown()
+        self._thread.shutdown(wait=False)
+
+
+# max_concurrency bounds concurrent coroutines: many consumers long-poll at once.
+SchedulerActor = ray.remote(max_concurrency=1024)(SchedulerService)  # type: ignore[call-overload]

@@ -1,0 +1,139 @@
+"""``flotilla bench ray-overhead``: what the Ray path costs over the in-process engine.
+
+Runs one JSONL workload (``../shared/peers/make_workload.py``'s format) twice,
+greedily with ignore_eos so both do identical work: through ``LLM`` in this
+process, then through a ``SchedulerActor`` on a local Ray cluster (one shard:
+``LocalExecutor`` inside the actor, or ``RayExecutor`` with
+``tensor_parallel_size=1`` under ``--executor ray``), read the way a replica
+reads it: every request submitted, then one ``next_outputs`` long-poll per
+step. The two paths alternate ``runs`` times and the median run of each is
+reported, so background load on a shared machine hits both alike. Prints one
+JSON object: both output tok/s, their ratio (target >= 0.85) and the
+per-step overhead in ms.
+
+Both sides use ``threads`` torch threads (default 1: tiny matmuls are fastest
+on one thread, and it keeps the comparison fair).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.bench_offline import read_workload
+
+CONSUMER = "bench"
+
+
+def _in_process_run(llm: Any, reqs: list[dict[str, Any]], params: list[Any]) -> dict[str, float]:
+    prompts = [r["prompt_token_ids"] for r in reqs]
+    steps0 = llm.engine.scheduler.stats.num_steps
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": dt, "tokens": tokens, "steps": llm.engine.scheduler.stats.num_steps - steps0}
+
+
+def _ray_run(actor: Any, reqs: list[dict[str, Any]], params: list[Any], tag: str) -> dict[str, float]:
+    import ray
+
+    steps0 = ray.get(actor.stats.remote()).num_steps
+    t0 = time.perf_counter()
+    ray.get([
+        actor.submit.remote(f"{tag}-{i}", r["prompt_token_ids"], p, consumer_id=CONSUMER)
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True))
+    ])
+    left, tokens, polls, messages = len(reqs), 0, 0, 0
+    deadline = time.monotonic() + 3600.0  # bound the loop; a stuck run is an error
+    while left and time.monotonic() < deadline:
+        polls += 1
+        for msg in ray.get(actor.next_outputs.remote(CONSUMER, 5.0)):
+            messages += 1
+            for d in msg.deltas:
+                tokens += len(d.token_ids)
+                left -= d.finish_reason is not None
+    dt = time.perf_counter() - t0
+    if left:
+        raise RuntimeError(f"{left} requests did not finish through the scheduler actor")
+    steps = ray.get(actor.stats.remote()).num_steps - steps0
+    return {"seconds": dt, "tokens": tokens, "steps": steps, "polls": polls, "messages": messages}
+
+
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+
+
+def _compare(
+    model: str, reqs: list[dict[str, Any]], engine: dict[str, Any], threads: int, executor: str, runs: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Interleave the two paths ``runs`` times (load on a shared box hits both alike)."""
+    import ray
+
+    from actors.engine_config import EngineConfig
+    from actors.scheduler_actor import SchedulerActor
+    from apps.llm import LLM
+    from scheduling.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in reqs]
+    llm = LLM(model=model, **engine)
+    llm.generate([r["prompt_token_ids"] for r in reqs[:2]], params[:2], use_tqdm=False)  # warm-up
+    config = EngineConfig.from_kwargs(model=model, executor=executor, **engine)
+    actor = SchedulerActor.options(
+        num_cpus=threads, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    ).remote(config)
+    try:
+        ray.get([actor.generate.remote(f"warm{i}", reqs[i]["prompt_token_ids"], params[i]) for i in range(2)])
+        local, remote = [], []
+        for k in range(runs):
+            local.append(_in_process_run(llm, reqs, params))
+            remote.append(_ray_run(actor, reqs, params, f"run{k}"))
+        return _median_run(local), _median_run(remote)
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+
+
+def run(
+    model: str, workload: str | Path, *, threads: int = 1, executor: str = "local", runs: int = 3,
+    **engine: Any,
+) -> dict[str, Any]:
+    """Run both paths ``runs`` times on ``workload``; returns the JSON-ready result (medians)."""
+    import ray
+    import torch
+
+    reqs = read_workload(workload)
+    torch.set_num_threads(threads)
+    started = not ray.is_initialized()
+    if started:
+        # A private, loopback-only cluster for this run; token auth guards shared
+        # clusters and is off only for this throwaway one unless the user set it.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=max(2, threads + 1), include_dashboard=False, log_to_driver=False)
+    try:
+        local, remote = _compare(model, reqs, engine, threads, executor, runs)
+    finally:
+        if started:
+            ray.shutdown()
+    tps_local = local["tokens"] / local["seconds"]
+    tps_ray = remote["tokens"] / remote["seconds"]
+    ms_local = 1000.0 * local["seconds"] / max(local["steps"], 1)
+    ms_ray = 1000.0 * remote["seconds"] / max(remote["steps"], 1)
+    return {
+        "model": model,
+        "executor": executor,
+        "requests": len(reqs),
+        "threads": threads,
+        "runs": runs,
+        "in_process": {"output_tok_per_s": round(tps_local, 1), "seconds": round(local["seconds"], 3),
+                       "steps": int(local["steps"]), "ms_per_step": round(ms_local, 3)},
+        "ray": {"output_tok_per_s": round(tps_ray, 1), "seconds": round(remote["seconds"], 3),
+                "steps": int(remote["steps"]), "ms_per_step": round(ms_ray, 3),
+                "polls": int(remote["polls"]), "messages": int(remote["messages"])},
+        "ratio": round(tps_ray / tps_local, 3),
+        "target_ratio": 0.85,
+        "overhead_ms_per_step": round(ms_ray - ms_local, 3),
+        "same_output_tokens": local["tokens"] == remote["tokens"],
+    }

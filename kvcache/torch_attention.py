@@ -19,6 +19,15 @@ Sequences are split into groups (``partition_sequences``) so a long prefill
 does not pad dozens of decodes to its length; a decode-only step with similar
 contexts is one group. Gathers land in grow-only buffers reused by every
 layer and step.
+
+On the CPU (float32/bfloat16, head_dim a multiple of 8), every decode
+sequence (query length 1) of a step instead goes to the native
+``paged_decode`` kernel (``cpu_kernels``), which reads each sequence's pages
+in place: no gather copy, no padding, so all of a step's decodes share one
+call whatever their context lengths. Its padded page table and context
+lengths are built once per step in ``plan``. Prefill and chunked-prefill
+sequences keep the torch path, as does everything when the kernel is off
+(``FLOTILLA_CPU_KERNELS=0``) or cannot be built.
 """
 
 from __future__ import annotations
@@ -28,29 +37,64 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvcache import cpu_kernels
 from kvcache.attention_backend import AttentionBackend, StepLayout
 from kvcache.attention_metadata import (
     AttentionGroup,
     build_attention_group,
     build_slot_mapping,
     check_layout,
+    num_pages_for,
     partition_sequences,
     token_starts,
 )
 from kvcache.kv_pool import KVPool
 
 
+class _DecodeGroup:
+    """The ``paged_decode`` kernel's inputs for a step's decode sequences.
+
+    ``page_table`` (num_seqs, max_pages) int32 holds each sequence's used
+    pages, padded with 0 (never read: the kernel stops at ``context_lens``);
+    ``context_lens`` (num_seqs,) int32; ``token_index`` (num_seqs,) int64 step
+    token rows of the sequences, or None when they are the whole step in order.
+    """
+
+    __slots__ = ("page_table", "context_lens", "token_index")
+
+    def __init__(
+        self, layout: StepLayout, seq_ids: list[int], page_size: int, starts: list[int]
+    ) -> None:
+        ctxs = [layout.context_lens[s] for s in seq_ids]
+        width = num_pages_for(max(ctxs), page_size)
+        rows: list[list[int]] = []
+        for s, c in zip(seq_ids, ctxs, strict=True):
+            used = num_pages_for(c, page_size)
+            rows.append(layout.page_tables[s][:used] + [0] * (width - used))
+        self.page_table = torch.tensor(rows, dtype=torch.int32)
+        self.context_lens = torch.tensor(ctxs, dtype=torch.int32)
+        whole_step = len(seq_ids) == len(layout.query_lens)  # all decodes: token i is seq i
+        self.token_index = (
+            None if whole_step else torch.tensor([starts[s] for s in seq_ids], dtype=torch.int64)
+        )
+
+
 class _StepPlan:
     """What ``plan`` leaves for the layers of one step."""
 
-    __slots__ = ("num_tokens", "slot_mapping", "groups")
+    __slots__ = ("num_tokens", "slot_mapping", "groups", "decode")
 
     def __init__(
-        self, num_tokens: int, slot_mapping: torch.Tensor, groups: list[AttentionGroup]
+        self,
+        num_tokens: int,
+        slot_mapping: torch.Tensor,
+        groups: list[AttentionGroup],
+        decode: _DecodeGroup | None,
     ) -> None:
         self.num_tokens = num_tokens
         self.slot_mapping = slot_mapping
-        self.groups = groups
+        self.groups = groups  # torch-path groups
+        self.decode = decode  # kernel-path decodes, if any
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -58,7 +102,9 @@ class TorchPagedAttention(AttentionBackend):
 
     One instance serves all layers; ``plan`` must be called once per step
     before the layers' ``forward`` calls. ``scale`` defaults to
-    ``1 / sqrt(head_dim)``.
+    ``1 / sqrt(head_dim)``. Whether decodes use the native CPU kernel is
+    decided once, here (``cpu_kernels.get_paged_decode``; the first backend
+    of a process may build it).
     """
 
     def __init__(
@@ -95,6 +141,12 @@ class TorchPagedAttention(AttentionBackend):
         # in on every call, which cost 10x the gather itself on a VM.
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
+        self._decode_kernel = cpu_kernels.get_paged_decode(pool.device, pool.dtype, head_dim)
+
+    @property
+    def uses_cpu_kernel(self) -> bool:
+        """True when decode sequences run on the native ``paged_decode`` kernel."""
+        return self._decode_kernel is not None
 
     def plan(self, layout: StepLayout) -> None:
         """Build this step's index tensors (on the pool's device)."""
@@ -102,16 +154,30 @@ class TorchPagedAttention(AttentionBackend):
         device = self.pool.device
         check_layout(layout, page_size)
         starts = token_starts(layout.query_lens)
+        qlens, ctxs = layout.query_lens, layout.context_lens
+        decode_ids: list[int] = []
+        torch_ids = list(range(len(qlens)))
+        if self._decode_kernel is not None:
+            decode_ids = [i for i in torch_ids if qlens[i] == 1]
+            torch_ids = [i for i in torch_ids if qlens[i] != 1]
+        partition = partition_sequences([qlens[i] for i in torch_ids], [ctxs[i] for i in torch_ids])
         groups = [
             build_attention_group(
-                layout, seq_ids, page_size, self.group_size, device, starts, self.pool.dtype
+                layout,
+                [torch_ids[j] for j in part],
+                page_size,
+                self.group_size,
+                device,
+                starts,
+                self.pool.dtype,
             )
-            for seq_ids in partition_sequences(layout.query_lens, layout.context_lens)
+            for part in partition
         ]
         self._plan = _StepPlan(
-            num_tokens=sum(layout.query_lens),
+            num_tokens=sum(qlens),
             slot_mapping=build_slot_mapping(layout, page_size, device),
             groups=groups,
+            decode=_DecodeGroup(layout, decode_ids, page_size, starts) if decode_ids else None,
         )
         need = max((g.num_seqs * g.pages_per_seq for g in groups), default=0)
         if self._k_buf is None or self._k_buf.shape[0] < need:
@@ -135,14 +201,37 @@ class TorchPagedAttention(AttentionBackend):
         )
         self._flat_k[layer_id].index_copy_(0, plan.slot_mapping, k)
         self._flat_v[layer_id].index_copy_(0, plan.slot_mapping, v)
-        groups = plan.groups
-        if len(groups) == 1:
+        groups, decode = plan.groups, plan.decode
+        if decode is None and len(groups) == 1:
             return self._attend(layer_id, q, groups[0])
+        if decode is not None and decode.token_index is None:
+            return self._decode(layer_id, q, decode)  # decode-only step
         out = q.new_empty(plan.num_tokens, self.num_heads, self.head_dim)
         for group in groups:
             assert group.token_index is not None
             out.index_copy_(0, group.token_index, self._attend(layer_id, q, group))
+        if decode is not None:
+            assert decode.token_index is not None
+            out.index_copy_(0, decode.token_index, self._decode(layer_id, q, decode))
         return out  # also the empty step's (0, heads, dim) result
+
+    def _decode(self, layer_id: int, q: torch.Tensor, d: _DecodeGroup) -> torch.Tensor:
+        """The native kernel over decode group ``d``; returns (seqs, heads, dim)."""
+        assert self._decode_kernel is not None
+        qd = q if d.token_index is None else q.index_select(0, d.token_index)
+        if qd.stride(-1) != 1:
+            qd = qd.contiguous()
+        out = qd.new_empty(qd.shape[0], self.num_heads, self.head_dim)
+        self._decode_kernel(
+            out,
+            qd,
+            self.pool.k_caches[layer_id],
+            self.pool.v_caches[layer_id],
+            d.page_table,
+            d.context_lens,
+            self.scale,
+        )
+        return out
 
     def _attend(self, layer_id: int, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         """One padded SDPA over group ``g``; returns its real rows (tokens, heads, dim)."""

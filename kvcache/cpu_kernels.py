@@ -1,0 +1,220 @@
+"""Native CPU kernels for the torch backend, built on first use.
+
+``get_paged_decode`` hands out ``paged_decode``: decode attention (one query
+token per sequence) that walks each sequence's page table in place, one pass
+over K and V and no gather copy (source: ``csrc/paged_decode.cpp``). It is
+built with
+``torch.utils.cpp_extension.load`` (needs a C++ compiler and ``ninja``) into
+``$FLOTILLA_CACHE_DIR/torch_extensions/<machine key>``, so a machine builds it
+once (tens of seconds) and later processes only load it. The machine key
+hashes the CPU model and flags (the build uses ``-march=native``), torch and
+Python versions, so a cache shared between different hosts never hands one a
+binary built for another.
+
+Nothing here may stop the engine: if the build or the load fails for any
+reason, one warning goes to the ``flotilla.kvcache`` logger and callers get
+``None`` (they keep their torch path). ``FLOTILLA_CPU_KERNELS=0`` turns the
+kernels off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("flotilla.kvcache")
+
+ENV_SWITCH = "FLOTILLA_CPU_KERNELS"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+_BASE_CFLAGS = ["-O3", "-fopenmp"]
+# Tried in order; the first that builds and loads wins.
+_VARIANTS: list[tuple[str, list[str]]] = [("native", ["-march=native"]), ("generic", [])]
+
+PagedDecode = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    None,
+]
+
+_lock = threading.Lock()
+_module: Any = None  # the loaded extension, once built
+_failed = False  # a build or load failed in this process (warned once)
+
+
+def kernels_enabled() -> bool:
+    """False when ``FLOTILLA_CPU_KERNELS`` is ``0`` (read on every call)."""
+    return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+
+
+def cache_dir() -> Path:
+    """``$FLOTILLA_CACHE_DIR`` or ``~/.cache/flotilla``."""
+    return Path(os.environ.get("FLOTILLA_CACHE_DIR") or Path.home() / ".cache" / "flotilla").expanduser()
+
+
+def _machine_key() -> str:
+    """Short hash of everything a built binary depends on besides its sources and flags."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        wanted = ("model name", "flags")
+        lines = [line for line in f.read().splitlines() if line.startswith(wanted)]
+        cpu = "\n".join(sorted(set(lines)))
+    parts = [platform.machine(), cpu, torch.__version__, sys.implementation.cache_tag or ""]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def build_dir(variant: str) -> Path:
+    """Where ``variant`` of the extension is built and cached on this machine."""
+    return cache_dir() / "torch_extensions" / f"paged_decode_{variant}_{_machine_key()}"
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Exclusive across processes; the OS drops it when its holder dies.
+
+    torch's own lock is a file that only its creator removes: a build killed
+    midway would leave every later process waiting on it forever. Under this
+    lock no other flotilla process is building here, so such a file is stale.
+    """
+    import fcntl  # POSIX only: elsewhere the ImportError means "no kernel", not a crash
+
+    with open(directory / "flotilla.lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.debug("removing stale torch extension lock %s", stale)
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """Mute torch's own build chatter: a failure is reported once, by ``load_extension``."""
+    torch_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch_logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """Put the ``ninja`` pip package's binary on PATH (torch runs ``ninja`` by name)."""
+    try:
+        import ninja
+
+        bin_dir = str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = bin_dir + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+def _summary(exc: Exception) -> str:
+    """One line of a build error: the compiler's first error, else the message's last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    hits = [line for line in lines if "error:" in line or "not found" in line]
+    return (hits or lines[-1:])[0][:300]
+
+
+def _build() -> Any:
+    """Build (or reuse) and import the extension; raises with every variant's error."""
+    from torch.utils import cpp_extension
+
+    errors: list[str] = []
+    for variant, flags in _VARIANTS:
+        directory = build_dir(variant)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with _build_lock(directory), _ninja_on_path(), _quiet_torch():
+                return cpp_extension.load(
+                    name=f"flotilla_paged_decode_{variant}",
+                    sources=[str(SOURCE)],
+                    extra_cflags=_BASE_CFLAGS + flags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=False,
+                )
+        except Exception as exc:  # any failure means: no kernel, never a crash
+            errors.append(f"{variant}: {type(exc).__name__}: {_summary(exc)}")
+    raise RuntimeError("; ".join(errors))
+
+
+def load_extension() -> Any | None:
+    """The built extension module, or None when disabled or unbuildable.
+
+    The first call in a process builds or loads it (thread-safe); a failure
+    logs one warning and is remembered, so later calls return None at once.
+    """
+    global _module, _failed
+    if not kernels_enabled():
+        return None
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                _module = _build()
+            except Exception as exc:
+                _failed = True
+                logger.warning(
+                    "CPU attention kernels unavailable, using the torch path (%s); "
+                    "set %s=0 to skip the build",
+                    exc,
+                    ENV_SWITCH,
+                )
+        return _module
+
+
+def supports(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``paged_decode`` handles this pool: CPU, a supported dtype, and a
+    head_dim that is a multiple of 8 up to 256 (every common model's)."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype in SUPPORTED_DTYPES
+        and head_dim % 8 == 0
+        and 0 < head_dim <= 256
+    )
+
+
+def get_paged_decode(
+    device: torch.device | str, dtype: torch.dtype, head_dim: int
+) -> PagedDecode | None:
+    """The ``paged_decode`` op for a pool on ``device`` in ``dtype``, or None.
+
+    None unless ``supports(device, dtype, head_dim)``, the kernels are enabled
+    and the extension builds (the first call in a process may build it). The
+    op's arguments are ``(out, q, k_cache, v_cache, page_table, context_lens,
+    scale)``: out and q
+    ``(B, H, D)`` (last dim contiguous), caches ``(P, page, KVH, D)``
+    contiguous, page_table ``(B, max_pages)`` and context_lens ``(B,)``
+    int32/int64; it writes ``out`` in place.
+    """
+    if not supports(device, dtype, head_dim):
+        return None
+    module = load_extension()
+    if module is None:
+        return None
+    op: PagedDecode = module.paged_decode
+    return op
+

@@ -1,0 +1,278 @@
+"""The OpenAI wire format: request models (pydantic) and response builders (dicts).
+
+Pure: no Ray, torch or engine. Request models are strict (``"ten"`` is not an
+integer, ``1.5`` is not ``n``; integers are accepted where floats are) and
+ignore unknown fields, as vLLM does, so that newer clients keep working. Value
+ranges are checked by ``SamplingParams`` (see ``apps.request_params``), which
+names the parameter at fault; only constraints that SamplingParams cannot
+express under the right name (``max_tokens`` vs ``max_completion_tokens``,
+``top_logprobs``) are declared here.
+
+Fields beyond OpenAI's (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``) use vLLM's names; openai-python sends them
+through ``extra_body``.
+
+Response builders return plain JSON-ready dicts that the official ``openai``
+types parse (``Completion``, ``ChatCompletion``, ``ChatCompletionChunk``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from apps.errors import error_response
+from scheduling.batch import TokenLogprobs
+from scheduling.sampling_params import MAX_LOGPROBS
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------ requests
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: with ``include_usage`` a last chunk carries the usage."""
+
+    include_usage: bool | None = False
+
+
+class TextContentPart(_Strict):
+    """One OpenAI content part; only ``{"type": "text", "text": ...}`` is served."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat turn. ``content`` may be null only on assistant turns."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions (null means the default)."""
+
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM-style extensions (openai-python: extra_body={...}).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``. One prompt per request (see ``completion_prompt``)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+
+# ----------------------------------------------------------------- responses
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """The ``usage`` object; cached prompt tokens go in ``prompt_tokens_details``."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+Decode = Callable[[int], str]
+MIN_LOGPROB = -9999.0  # stands in for -inf (a masked token): JSON has no infinities
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares false: clamped too
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs], decode: Decode, *, text_offset: int = 0
+) -> dict[str, Any]:
+    """Legacy completions logprobs: parallel lists; ``text_offset`` where the first token starts.
+
+    ``decode`` turns one token id into its text. Several alternatives that
+    decode to the same text keep the most likely one (a dict cannot hold both).
+    """
+    tokens = [decode(e.token_id) for e in entries]
+    offsets: list[int] = []
+    for tok in tokens:
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    top: list[dict[str, float]] = []
+    for e in entries:
+        alts: dict[str, float] = {}
+        for tid, lp in zip(e.top_token_ids, e.top_logprobs, strict=True):
+            alts.setdefault(decode(tid), _finite(lp))
+        top.append(alts)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(e.logprob) for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _token_logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], decode: Decode) -> dict[str, Any]:
+    """Chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``."""
+    content = []
+    for e in entries:
+        item = _token_logprob(decode(e.token_id), e.logprob)
+        item["top_logprobs"] = [
+            _token_logprob(decode(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
+        ]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One completions choice (also the choice of a streaming chunk)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One non-streaming chat choice: the assistant message."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_delta_choice(
+    index: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    *,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One streaming chat choice; ``role=True`` on a sequence's first chunk."""
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if text is not None:
+        delta["content"] = text
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _envelope(
+    obj: str, request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+    usage_obj: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": obj, "created": created, "model": model,
+        "choices": choices, "usage": usage_obj,
+    }
+
+
+def completion_response(
+    request_id: str, model: str, created: int, choices: list[dict[str, Any]], usage_obj: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole ``text_completion`` object."""
+    return _envelope("text_completion", request_id, model, created, choices, usage_obj)
+
+
+def completion_chunk(
+    request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+    usage_obj: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streaming completions chunk (OpenAI reuses ``text_completion``)."""
+    return _envelope("text_completion", request_id, model, created, choices, usage_obj)
+
+
+def chat_completion_response(
+    request_id: str, model: str, created: int, choices: list[dict[str, Any]], usage_obj: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole ``chat.completion`` object."""
+    return _envelope("chat.completion", request_id, model, created, choices, usage_obj)
+
+
+def chat_completion_chunk(
+    request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+    usage_obj: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``."""
+    return _envelope("chat.completion.chunk", request_id, model, created, choices, usage_obj)
+
+
+def usage_chunk(
+    kind: Literal["completion", "chat"], request_id: str, model: str, created: int,
+    usage_obj: dict[str, Any],
+) -> dict[str, Any]:
+    """The last chunk of a stream with ``include_usage``: empty ``choices``, the usage."""
+    build = completion_chunk if kind == "completion" else chat_completion_chunk
+    return build(request_id, model, created, [], usage_obj)
+
+
+# ----------------------------------------------------------------------- SSE
+def sse_event(obj: Mapping[str, Any] | BaseModel) -> bytes:
+    """One server-sent event: ``data: {json}\\n\\n``."""
+    data = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error_event(exc: BaseException) -> bytes:
+    """The error envelope as a data event, for failures after the stream has begun."""
+    _, body = error_response(exc)
+    return sse_event(body)

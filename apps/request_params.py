@@ -1,0 +1,190 @@
+"""From an HTTP body to engine inputs: parse, pick the prompt, build SamplingParams.
+
+The HTTP layer's order is: :func:`parse_request` (size, JSON, types),
+:func:`check_model`, :func:`completion_prompt` or :func:`chat_messages`,
+tokenize (the engine refuses out-of-vocabulary ids with param "prompt"), then
+:func:`to_sampling_params` with the prompt's length. Every failure raises
+``APIError``, ``InvalidParameterError`` or pydantic ``ValidationError``, which
+``apps.errors.error_response`` turns into the OpenAI envelope.
+
+Defaults when ``max_tokens`` is omitted: completions generate
+``min(16, max_model_len - prompt)`` tokens (OpenAI's legacy default of 16);
+chat generates up to ``max_model_len - prompt`` tokens (until a stop).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from apps.errors import APIError
+from apps.protocol import ChatCompletionRequest, CompletionRequest
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: room for a long prompt, not a flood
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(
+    body: bytes, model_cls: type[RequestT], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> RequestT:
+    """Parse a raw body into ``model_cls``: 413 if too large, 400 unless a valid JSON object."""
+    if len(body) > max_body_bytes:
+        raise APIError(
+            413, f"the request body is {len(body)} bytes; the limit is {max_body_bytes}",
+            code="payload_too_large",
+        )
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except (ValueError, RecursionError):  # bad UTF-8, absurd nesting
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        kind = _JSON_KINDS.get(type(data), type(data).__name__)
+        raise APIError(400, f"the request body must be a JSON object, got {kind}")
+    return model_cls.model_validate(data)
+
+
+def check_model(requested: str | None, served: str | Sequence[str]) -> str:
+    """The model to use: the requested one if served (404 otherwise), else the first served."""
+    names = [served] if isinstance(served, str) else list(served)
+    if requested is None:
+        return names[0]
+    if requested not in names:
+        raise APIError(
+            404, f"The model `{requested}` does not exist.", param="model", code="model_not_found"
+        )
+    return requested
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completions request: a string or a list of token ids.
+
+    ``["text"]`` and ``[[1, 2]]`` (one-element batches, as some clients send)
+    are unwrapped; batches of several prompts are refused with a 400 (send one
+    request per prompt).
+    """
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        raise InvalidParameterError(
+            "prompt", f"batches of prompts ({len(prompt)}) are not supported; send one prompt per request"
+        )
+    if len(prompt) == 0:
+        raise InvalidParameterError("prompt", "the prompt is empty")
+    if isinstance(prompt, str):
+        return prompt
+    return [t for t in prompt if isinstance(t, int)]  # all ints here; the filter narrows the type
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The conversation as ``[{"role", "content"[, "name"]}]`` for the chat template.
+
+    Text content parts are joined with newlines. Tool calling and structured
+    output are not served: non-empty ``tools`` and a ``response_format`` other
+    than text are refused rather than silently ignored.
+    """
+    if req.tools:
+        raise InvalidParameterError("tools", "tool calling is not supported")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise InvalidParameterError("response_format", "only the 'text' response format is supported")
+    if not req.messages:
+        raise InvalidParameterError("messages", "at least one message is required")
+    conversation: list[dict[str, str]] = []
+    for i, msg in enumerate(req.messages):
+        if msg.content is None and msg.role != "assistant":
+            raise InvalidParameterError("messages", f"messages[{i}].content is required for role {msg.role!r}")
+        if isinstance(msg.content, list):
+            text = "\n".join(part.text for part in msg.content)
+        else:
+            text = msg.content or ""
+        turn = {"role": msg.role, "content": text}
+        if msg.name is not None:
+            turn["name"] = msg.name
+        conversation.append(turn)
+    return conversation
+
+
+def _check_completion_features(req: CompletionRequest) -> None:
+    """Refuse legacy options whose meaning we would otherwise silently drop."""
+    if req.echo:
+        raise InvalidParameterError("echo", "echo is not supported")
+    if req.suffix:
+        raise InvalidParameterError("suffix", "suffix is not supported")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise InvalidParameterError("best_of", "best_of other than n is not supported")
+
+
+def _max_tokens(
+    req: CompletionRequest | ChatCompletionRequest, *, room: int, num_prompt_tokens: int, max_model_len: int
+) -> int:
+    """The request's token budget, defaulted (see the module docstring) and bounded by the context."""
+    name, value = "max_tokens", req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        name, value = "max_completion_tokens", req.max_completion_tokens
+    if value is None:
+        return room if isinstance(req, ChatCompletionRequest) else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    if isinstance(value, bool) or value < 1:
+        raise InvalidParameterError(name, f"must be >= 1, got {value}")
+    if value > room:
+        # Same wording as the scheduler's admission check.
+        raise InvalidParameterError(
+            name,
+            f"prompt ({num_prompt_tokens} tokens) + {name} ({value}) = "
+            f"{num_prompt_tokens + value} exceeds max_model_len {max_model_len}",
+        )
+    return value
+
+
+def to_sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, *, max_model_len: int, num_prompt_tokens: int
+) -> SamplingParams:
+    """Build validated ``SamplingParams``; ranges are SamplingParams's own (errors name the field).
+
+    Raises ``InvalidParameterError`` with param "prompt" when the prompt is
+    empty or leaves no room in ``max_model_len``, and with the budget's field
+    name when prompt + budget exceeds ``max_model_len``.
+    """
+    if num_prompt_tokens <= 0:
+        raise InvalidParameterError("prompt", "the prompt is empty")
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidParameterError(
+            "prompt", f"the prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}"
+        )
+    if isinstance(req, CompletionRequest):
+        _check_completion_features(req)
+        logprobs = req.logprobs
+    else:
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = _max_tokens(
+        req, room=max_model_len - num_prompt_tokens, num_prompt_tokens=num_prompt_tokens,
+        max_model_len=max_model_len,
+    )
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logprobs=logprobs,
+        n=1 if req.n is None else req.n,
+    )

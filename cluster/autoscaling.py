@@ -1,0 +1,293 @@
+"""SLO-aware replica autoscaling: a pure decision core plus Ray Serve 2.60's policy hook.
+
+``decide`` is a pure function of plain data and an explicit clock, so every rule
+is testable without Ray. Rules, with ``n`` replicas and per-replica loads:
+
+- pressure = max(mean waiting queue / target, worst TTFT P95 / SLO, worst TPOT
+  P95 / SLO). Pressure above 1 is the *up* condition.
+- *down* condition: every queue is empty and every replica's P95s (and KV use
+  by running requests) sit within ``headroom`` of their limits.
+- Between the two lies a dead band where nothing changes and both timers
+  reset: that band, plus the timers, is the hysteresis that stops flapping.
+- A condition must hold for ``upscale_delay_s`` / ``downscale_delay_s``
+  before it acts; after acting its timer restarts, so sustained pressure (or
+  idleness) moves one step per delay. Up steps are proportional,
+  ``ceil(n * pressure)``, capped by ``max_step_up``; down steps remove one.
+- The result is always within ``[min_replicas, max_replicas]``.
+
+Serve integration (checked against the installed ray 2.60.0 source,
+``ray/serve/config.py``, ``ray/serve/autoscaling_policy.py``,
+``ray/serve/_private/autoscaling_state.py`` and ``_private/replica.py``):
+the deployment's ``autoscaling_config.policy`` is an ``AutoscalingPolicy`` whose
+``policy_function`` is an import path; a class there is instantiated once with
+``policy_kwargs`` and then called as ``policy(ctx: AutoscalingContext) ->
+(num_replicas, policy_state_dict)`` every control-loop tick. Replicas feed it by
+defining ``record_autoscaling_stats() -> dict[str, int | float]``; Serve
+aggregates each key over ``look_back_period_s`` and hands it to the policy as
+``ctx.aggregated_metrics[key][replica_id]``. Serve wraps every custom policy
+with its own scaling factors and ``upscale_delay_s`` / ``downscale_delay_s``
+timers, so set those two to 0 in the Serve config: the delays here are the
+ones that should count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from actors.engine_stats import EngineStats
+from scheduling.errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingContext
+
+# Keys of the custom metrics a replica reports through ``record_autoscaling_stats``.
+METRIC_NUM_WAITING = "flotilla_num_waiting"
+METRIC_NUM_RUNNING = "flotilla_num_running"
+METRIC_KV_USAGE = "flotilla_kv_usage"
+METRIC_TTFT_P95_MS = "flotilla_ttft_ms_p95"
+METRIC_TPOT_P95_MS = "flotilla_tpot_ms_p95"
+# Where this policy keeps its own state inside Serve's ``policy_state`` dict
+# (Serve adds its own delay-counter keys beside it).
+STATE_KEY = "flotilla_policy_state"
+# Float slack: 2 * 1.5 must not ceil to 4, nor 30 s of delay measure 29.999... s.
+_EPS = 1e-9
+_DELAY_EPS_S = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingConfig:
+    """Bounds, targets and timing of the SLO-aware policy, validated when built."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_queue_per_replica: float = 4.0
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 100.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 300.0
+    headroom: float = 0.7
+    max_step_up: int = 4
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise InvalidParameterError("min_replicas", f"must be >= 0, got {self.min_replicas}")
+        if self.max_replicas < max(1, self.min_replicas):
+            raise InvalidParameterError(
+                "max_replicas",
+                f"must be >= 1 and >= min_replicas ({self.min_replicas}), got {self.max_replicas}",
+            )
+        for name in ("target_queue_per_replica", "slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if not value > 0 or math.isinf(value):
+                raise InvalidParameterError(name, f"must be a finite number > 0, got {value}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            value = getattr(self, name)
+            if not value >= 0 or math.isinf(value):
+                raise InvalidParameterError(name, f"must be a finite number >= 0, got {value}")
+        if not 0 < self.headroom < 1:
+            raise InvalidParameterError("headroom", f"must be in (0, 1), got {self.headroom}")
+        if self.max_step_up < 1:
+            raise InvalidParameterError("max_step_up", f"must be >= 1, got {self.max_step_up}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What one replica reports: queue, batch, KV use (0..1) and latency P95s in ms."""
+
+    num_waiting: float = 0.0
+    num_running: float = 0.0
+    kv_usage: float = 0.0
+    ttft_p95_ms: float = 0.0
+    tpot_p95_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """The policy's memory between ticks.
+
+    ``up_since`` / ``down_since``: when the up / down condition started holding
+    (None while it does not); ``last_desired`` / ``last_change_at``: the most
+    recent decision and when the replica count last changed.
+    """
+
+    up_since: float | None = None
+    down_since: float | None = None
+    last_desired: int | None = None
+    last_change_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for Serve's ``policy_state``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> PolicyState:
+        """Inverse of ``to_dict``; unknown keys are ignored, missing ones default."""
+        data = data or {}
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+class Decision(NamedTuple):
+    """``decide``'s result: unpacks as ``(desired_replicas, state, reason)``."""
+
+    desired_replicas: int
+    state: PolicyState
+    reason: str
+
+
+def pressure(config: AutoscalingConfig, loads: list[ReplicaLoad]) -> float:
+    """How far the fleet is over target: above 1.0 means add replicas; 0.0 with no loads."""
+    if not loads:
+        return 0.0
+    queue = sum(load.num_waiting for load in loads) / len(loads)
+    ttft = max(load.ttft_p95_ms for load in loads)
+    tpot = max(load.tpot_p95_ms for load in loads)
+    return max(
+        queue / config.target_queue_per_replica, ttft / config.slo_ttft_ms, tpot / config.slo_tpot_ms
+    )
+
+
+def is_idle(config: AutoscalingConfig, loads: list[ReplicaLoad]) -> bool:
+    """True when queues are empty and every SLO (and KV use) holds with headroom."""
+    h = config.headroom
+    return bool(loads) and all(
+        load.num_waiting <= 0
+        and load.ttft_p95_ms <= h * config.slo_ttft_ms
+        and load.tpot_p95_ms <= h * config.slo_tpot_ms
+        and load.kv_usage <= h
+        for load in loads
+    )
+
+
+def decide(
+    config: AutoscalingConfig,
+    current_replicas: int,
+    loads: list[ReplicaLoad],
+    now: float,
+    state: PolicyState,
+) -> Decision:
+    """The replica count to run now, the state to pass next tick, and why.
+
+    ``loads`` holds one entry per replica that reported (it may be shorter than
+    ``current_replicas`` while replicas start). No loads means no evidence: hold.
+    """
+    n = current_replicas
+    lo, hi = config.min_replicas, config.max_replicas
+    if n < lo or n > hi:
+        # Bounds (e.g. a config change) apply at once; timers restart from here.
+        target = min(max(n, lo), hi)
+        return Decision(target, PolicyState(None, None, target, now), f"bring {n} within [{lo}, {hi}]")
+    p = pressure(config, loads)
+    if p > 1.0:
+        up_since = state.up_since if state.up_since is not None else now
+        waiting = PolicyState(up_since, None, n, state.last_change_at)
+        if now - up_since + _DELAY_EPS_S < config.upscale_delay_s:
+            return Decision(n, waiting, f"pressure {p:.2f} > 1 for {now - up_since:.1f}s, waiting")
+        target = min(hi, n + config.max_step_up, max(n + 1, math.ceil(n * p - _EPS)))
+        if target <= n:
+            return Decision(n, waiting, f"pressure {p:.2f} > 1 but at max_replicas {hi}")
+        # Restart the timer: further pressure needs another full delay to act.
+        new_state = PolicyState(now, None, target, now)
+        return Decision(target, new_state, f"scale up {n} -> {target}: pressure {p:.2f}")
+    if is_idle(config, loads):
+        down_since = state.down_since if state.down_since is not None else now
+        waiting = PolicyState(None, down_since, n, state.last_change_at)
+        if now - down_since + _DELAY_EPS_S < config.downscale_delay_s:
+            return Decision(n, waiting, f"idle for {now - down_since:.1f}s, waiting")
+        if n <= lo:
+            return Decision(n, waiting, f"idle but at min_replicas {lo}")
+        new_state = PolicyState(None, now, n - 1, now)
+        return Decision(n - 1, new_state, f"scale down {n} -> {n - 1}: idle with headroom")
+    # Dead band (or no evidence): hold and forget both timers.
+    why = "no replica reported load" if not loads else f"pressure {p:.2f} within band"
+    return Decision(n, PolicyState(None, None, n, state.last_change_at), f"hold: {why}")
+
+
+def autoscaling_stats(stats: EngineStats) -> dict[str, float]:
+    """The metrics a replica returns from ``record_autoscaling_stats``.
+
+    KV use counts only pages owned or pinned by running requests: prefix-cache
+    pages that can be evicted at once are free capacity, not load.
+    """
+    total = stats.num_kv_pages_total
+    busy = stats.num_kv_pages_used - stats.num_kv_pages_evictable
+    return {
+        METRIC_NUM_WAITING: float(stats.num_waiting),
+        METRIC_NUM_RUNNING: float(stats.num_running),
+        METRIC_KV_USAGE: busy / total if total > 0 else 0.0,
+        METRIC_TTFT_P95_MS: stats.ttft_ms_p95,
+        METRIC_TPOT_P95_MS: stats.tpot_ms_p95,
+    }
+
+
+def loads_from_metrics(metrics: dict[str, dict[Any, float]] | None) -> list[ReplicaLoad]:
+    """Per-replica loads from ``ctx.aggregated_metrics`` (metric -> replica -> value).
+
+    A replica appears once it has reported ``METRIC_NUM_WAITING``; a metric it
+    has not reported yet reads as 0.
+    """
+    metrics = metrics or {}
+    waiting = metrics.get(METRIC_NUM_WAITING, {})
+
+    def get(key: str, replica: Any) -> float:
+        return float(metrics.get(key, {}).get(replica, 0.0))
+
+    return [
+        ReplicaLoad(
+            num_waiting=float(waiting[r]),
+            num_running=get(METRIC_NUM_RUNNING, r),
+            kv_usage=get(METRIC_KV_USAGE, r),
+            ttft_p95_ms=get(METRIC_TTFT_P95_MS, r),
+            tpot_p95_ms=get(METRIC_TPOT_P95_MS, r),
+        )
+        for r in waiting
+    ]
+
+
+class SLOAutoscalingPolicy:
+    """Ray Serve 2.60 class-callable policy around ``decide``.
+
+    Serve config::
+
+        autoscaling_config:
+          min_replicas: 1
+          max_replicas: 8
+          upscale_delay_s: 0      # the delays below replace Serve's own
+          downscale_delay_s: 0
+          policy:
+            policy_function: cluster.autoscaling:SLOAutoscalingPolicy
+            policy_kwargs: {slo_ttft_ms: 1500, upscale_delay_s: 20}
+
+    ``policy_kwargs`` are ``AutoscalingConfig`` fields except the bounds, which
+    come from each tick's capacity-adjusted ``min_replicas`` / ``max_replicas``.
+    """
+
+    def __init__(self, **policy_kwargs: Any) -> None:
+        for bound in ("min_replicas", "max_replicas"):
+            if bound in policy_kwargs:
+                raise InvalidParameterError(bound, "set it in autoscaling_config, not policy_kwargs")
+        # Validate now, at deploy time, rather than on the first tick.
+        self._kwargs = dict(policy_kwargs)
+        AutoscalingConfig(min_replicas=0, max_replicas=1, **self._kwargs)
+        self.last_reason = ""
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
+        """One control-loop tick: ``(desired replicas, policy_state)`` for Serve."""
+        policy_state = dict(ctx.policy_state)
+        state = PolicyState.from_dict(policy_state.get(STATE_KEY))
+        now = ctx.current_time if ctx.current_time is not None else 0.0
+        hi = max(1, ctx.capacity_adjusted_max_replicas)
+        lo = min(ctx.capacity_adjusted_min_replicas, hi)
+        config = AutoscalingConfig(min_replicas=lo, max_replicas=hi, **self._kwargs)
+        if ctx.current_num_replicas != ctx.target_num_replicas:
+            # A change is still being applied: judge the new fleet only once it
+            # runs, and make the condition hold a full delay from then on.
+            held = PolicyState(None, None, ctx.target_num_replicas, state.last_change_at)
+            decision = Decision(ctx.target_num_replicas, held, "hold: scaling in progress")
+        else:
+            loads = loads_from_metrics(ctx.aggregated_metrics)
+            decision = decide(config, ctx.current_num_replicas, loads, now, state)
+        self.last_reason = decision.reason
+        policy_state[STATE_KEY] = decision.state.to_dict()
+        return decision.desired_replicas, policy_state

@@ -1,4 +1,4 @@
-# The two commands a newcomer runs: `make test` (and, once the server lands, `make serve`).
+# The two commands a newcomer runs: `make serve` and `make test`.
 # Everything installs into .venv; nothing is needed beyond Python 3.10+ and the package index.
 
 PYTHON ?= python3
@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 # `cuda` extra (FlashInfer) only where a CUDA device answers.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test lint bench bench-offline peer-vllm clean
+.PHONY: install test lint serve bench bench-offline peer-vllm clean
 
 install: $(STAMP)
 
@@ -31,6 +31,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/flotilla bench scheduler
+
+serve: $(STAMP)
+	$(BIN)/flotilla serve --model tiny
 
 # vLLM's CPU build, the peer for offline and serving benchmarks (git-ignored venv).
 peer-vllm:

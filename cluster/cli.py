@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster.plan_cli import add_plan_parser
+from cluster.serve_cli import add_serve_parser
 
 
 def _bench_scheduler(args: argparse.Namespace) -> int:
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flotilla", description="Elastic LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(sub)
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

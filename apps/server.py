@@ -1,0 +1,296 @@
+"""The Ray Serve deployment ``LLMServer``: an OpenAI-compatible API over one SchedulerActor.
+
+Each replica owns one ``SchedulerActor`` (created in ``__init__``, waited on
+until healthy) and one ``StreamFanout`` task that long-polls it, so a replica
+makes at most one output call per engine step. The replica tokenizes (and
+applies the chat template) itself and submits token ids, so usage counts are
+exact. Every error goes through ``apps.errors.error_response``.
+
+A client that goes away cancels its handler (Serve cancels the request);
+the handler's ``finally`` (JSON) or ``EventStreamResponse``'s ``on_close``
+(SSE) then aborts the request in the actor, which frees its KV pages.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
+SSE), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
+``POST /detokenize``.
+
+No ``from __future__ import annotations`` here: FastAPI reads the route
+methods' annotations at runtime (a string ``Request`` became a body field).
+"""
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actors.engine_config import EngineConfig
+from actors.loader import load_tokenizer, resolve_model_path
+from actors.outputs import SequenceDelta
+from actors.scheduler_actor import SchedulerActor
+from apps import protocol as p
+from apps import request_params as rq
+from apps.errors import APIError, error_response
+from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
+from scheduling.batch import TokenLogprobs
+
+app = FastAPI(title="flotilla", docs_url=None, redoc_url=None)
+HEALTH_TIMEOUT_S = 10.0
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a prompt, or chat messages (rendered with the chat template)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[p.ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    status, body = error_response(exc)
+    return JSONResponse(body, status_code=status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods get the OpenAI envelope too."""
+    return _error(APIError(exc.status_code, str(exc.detail)))
+
+
+class _Output:
+    """Builds one request's choices and chunks (completions or chat)."""
+
+    def __init__(self, kind: str, model: str, created: int, want_logprobs: bool, decode: p.Decode) -> None:
+        self.kind, self.model, self.created = kind, model, created
+        self.want_logprobs = want_logprobs
+        self.decode = decode
+        self._offsets: dict[int, int] = {}  # sequence index -> text offset of its next token
+
+    def logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        if self.kind == "chat":
+            return p.chat_logprobs(entries, self.decode)
+        lp = p.completion_logprobs(entries, self.decode, text_offset=self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def choice(self, index: int, text: str, finish: str | None, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        build = p.completion_choice if self.kind == "completion" else p.chat_choice
+        return build(index, text, finish, self.logprobs(index, entries))
+
+    def chunk(self, request_id: str, delta: SequenceDelta) -> dict[str, Any]:
+        lp = self.logprobs(delta.index, delta.logprobs or [])
+        if self.kind == "completion":
+            choice = p.completion_choice(delta.index, delta.text, delta.finish_reason, lp)
+            return p.completion_chunk(request_id, self.model, self.created, [choice])
+        choice = p.chat_delta_choice(delta.index, delta.text, delta.finish_reason, lp)
+        return p.chat_completion_chunk(request_id, self.model, self.created, [choice])
+
+
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=10.0)
+@serve.ingress(app)
+class LLMServer:
+    """One replica: its own SchedulerActor, tokenizer and output fan-out.
+
+    ``engine`` holds ``EngineConfig`` fields; ``served_model_name`` is the name
+    clients use (default: ``engine["model"]``); ``scheduler_options`` go to
+    ``SchedulerActor.options`` (e.g. ``{"num_gpus": 1}`` for a local GPU executor).
+    """
+
+    def __init__(self, engine: dict[str, Any], *, served_model_name: str | None = None,
+                 scheduler_options: dict[str, Any] | None = None,
+                 max_body_bytes: int = rq.DEFAULT_MAX_BODY_BYTES, startup_timeout_s: float = 600.0) -> None:
+        self.config = EngineConfig.from_kwargs(**engine)
+        self.model_name = served_model_name or self.config.model
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
+        self._actor = SchedulerActor.options(**(scheduler_options or {})).remote(self.config)
+        status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
+        if not status.ok:
+            raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
+        self._fanout = StreamFanout(self._actor, f"replica-{uuid.uuid4().hex[:12]}")
+
+    async def check_health(self) -> None:
+        """Serve's replica check: fails (and the replica is replaced) only if the actor is gone."""
+        await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
+
+    def __del__(self) -> None:
+        """Serve's shutdown hook: stop polling, then end the actor (it holds the model and KV pool)."""
+        with contextlib.suppress(Exception):
+            self._fanout.cancel()
+            ray.kill(self._actor, no_restart=True)
+
+    # ----------------------------------------------------------------- routes
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """OpenAI completions, JSON or SSE."""
+        return await self._generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """OpenAI chat completions, JSON or SSE."""
+        return await self._generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(self) -> Response:
+        """The one model this application serves."""
+        card = {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "flotilla", "max_model_len": self.config.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """200 when the scheduler actor reports ok, else 503 with its reason."""
+        try:
+            status = await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception:
+            return _error(APIError(503, "the scheduler actor is unreachable"))
+        if not status.ok:
+            return _error(APIError(503, status.message))
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """``{"prompt"}`` or ``{"messages"}`` -> ``{"tokens", "count", "max_model_len"}``."""
+        try:
+            req = rq.parse_request(await self._body(request), TokenizeRequest, max_body_bytes=self.max_body_bytes)
+            rq.check_model(req.model, self.model_name)
+            if (req.prompt is None) == (req.messages is None):
+                raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+            if req.messages is not None:
+                conv = rq.chat_messages(p.ChatCompletionRequest(messages=req.messages))
+                ids = self._chat_ids(conv)
+            else:
+                ids = list(self.tokenizer(req.prompt)["input_ids"])
+        except Exception as exc:
+            return _error(exc)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.config.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        """``{"tokens"}`` -> ``{"prompt"}``."""
+        try:
+            req = rq.parse_request(await self._body(request), DetokenizeRequest, max_body_bytes=self.max_body_bytes)
+            rq.check_model(req.model, self.model_name)
+            bad = [t for t in req.tokens if not 0 <= t < len(self.tokenizer)]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+            text = self.tokenizer.decode(req.tokens)
+        except Exception as exc:
+            return _error(exc)
+        return JSONResponse({"prompt": text})
+
+    # ------------------------------------------------------------- generation
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes the limit (never read whole)."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"the request body is larger than the limit of {self.max_body_bytes} bytes",
+                               code="payload_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
+        ids: Any = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        req: p.CompletionRequest | p.ChatCompletionRequest
+        try:
+            body = await self._body(request)
+            if kind == "completion":
+                req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
+                prompt = rq.completion_prompt(req)
+                ids = prompt if isinstance(prompt, list) else list(self.tokenizer(prompt)["input_ids"])
+            else:
+                req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
+                ids = self._chat_ids(rq.chat_messages(req))
+            model = rq.check_model(req.model, self.model_name)
+            params = rq.to_sampling_params(req, max_model_len=self.config.max_model_len,
+                                        num_prompt_tokens=len(ids))
+        except Exception as exc:
+            return _error(exc)
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        queue = self._fanout.open(rid)
+        try:
+            num_prompt = await self._actor.submit.remote(rid, ids, params, consumer_id=self._fanout.consumer_id)
+        except BaseException as exc:
+            self._fanout.close(rid)
+            if not isinstance(exc, Exception):  # cancelled mid-submit: it may have been queued
+                self._actor.abort.remote(rid)
+                raise
+            return _error(exc)
+        stream = RequestStream(rid, queue, n=params.n, num_prompt_tokens=num_prompt)
+        out = _Output(kind, model, int(time.time()), params.logprobs is not None, self._decode)
+        if req.stream:
+            return EventStreamResponse(self._sse(stream, out, req.include_usage), lambda: self._release(stream))
+        return await self._whole(stream, out)
+
+    def _decode(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))  # one token's text, for logprobs
+
+    def _release(self, stream: RequestStream) -> None:
+        """Stop routing; abort in the actor if unfinished (fire-and-forget: we may be cancelled)."""
+        self._fanout.close(stream.request_id)
+        if not stream.done:
+            self._actor.abort.remote(stream.request_id)
+
+    async def _whole(self, stream: RequestStream, out: _Output) -> Response:
+        texts = [""] * stream.n
+        entries: list[list[TokenLogprobs]] = [[] for _ in range(stream.n)]
+        try:
+            while not stream.done:
+                delta = await stream.next()
+                texts[delta.index] += delta.text
+                entries[delta.index].extend(delta.logprobs or [])
+        except Exception as exc:
+            return _error(exc)
+        finally:
+            self._release(stream)
+        usage = p.usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens)
+        choices = [out.choice(i, texts[i], stream.finish_reasons[i], entries[i]) for i in range(stream.n)]
+        build = p.completion_response if out.kind == "completion" else p.chat_completion_response
+        return JSONResponse(build(stream.request_id, out.model, out.created, choices, usage))
+
+    async def _sse(self, stream: RequestStream, out: _Output, include_usage: bool) -> AsyncIterator[bytes]:
+        rid = stream.request_id
+        try:
+            if out.kind == "chat":
+                first = [p.chat_delta_choice(i, "", role=True) for i in range(stream.n)]
+                yield p.sse_event(p.chat_completion_chunk(rid, out.model, out.created, first))
+            while not stream.done:
+                delta = await stream.next()
+                if delta.text or delta.finish_reason or delta.logprobs:
+                    yield p.sse_event(out.chunk(rid, delta))
+            if include_usage:
+                usage = p.usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens)
+                yield p.sse_event(p.usage_chunk(out.kind, rid, out.model, out.created, usage))  # type: ignore[arg-type]
+        except Exception as exc:
+            yield p.sse_error_event(exc)
+        finally:
+            self._release(stream)
+        yield p.SSE_DONE

@@ -1,0 +1,162 @@
+"""One replica's output channel: long-poll the scheduler actor, fan deltas out per request.
+
+Each ``LLMServer`` replica registers with its ``SchedulerActor`` under one
+``consumer_id`` and runs ONE background task that calls ``next_outputs`` in a
+loop. Every ``StepMessage`` carries all of this replica's deltas for an engine
+step; the task puts each delta on the asyncio queue of its request. So the
+replica makes at most one Ray call per engine step, however many requests
+stream at once (see ``actors.step_messages``).
+
+Protocol for a request: ``open(request_id)`` BEFORE ``submit`` (so no delta can
+arrive for an unknown request), read the queue until every sequence finished,
+then ``close(request_id)``. Deltas of requests not open (already closed,
+e.g. after a client disconnect) are dropped.
+
+If polling fails (the actor died or is unreachable) every open request gets a
+final ``finish_reason="error"`` delta, so no handler waits forever.
+
+``EventStreamResponse`` is the SSE response that guarantees a streaming
+request is released (aborted if unfinished) when its client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.responses import StreamingResponse
+
+from actors.outputs import SequenceDelta
+from apps.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+RETRY_DELAY_S = 1.0  # between failed polls: the actor is down, do not spin
+
+
+class StreamFanout:
+    """Routes the scheduler actor's step messages to per-request queues (one event loop)."""
+
+    def __init__(self, actor: Any, consumer_id: str, *, poll_timeout_s: float = 1.0) -> None:
+        self._actor = actor
+        self.consumer_id = consumer_id
+        self._poll_timeout_s = poll_timeout_s
+        self._queues: dict[str, asyncio.Queue[SequenceDelta]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_open(self) -> int:
+        """Requests currently open on this replica."""
+        return len(self._queues)
+
+    def start(self) -> None:
+        """Start the polling task on the running loop (idempotent; restarts a dead task)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Cancel the polling task and wait for it to end."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def cancel(self) -> None:
+        """Cancel the polling task without waiting (for synchronous teardown)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    def open(self, request_id: str) -> asyncio.Queue[SequenceDelta]:
+        """The queue that will receive ``request_id``'s deltas; call before submitting it."""
+        self.start()
+        queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        """Stop routing ``request_id`` (later deltas are dropped)."""
+        self._queues.pop(request_id, None)
+
+    def dispatch(self, deltas: list[SequenceDelta]) -> None:
+        """Put each delta on its request's queue; deltas of closed requests are dropped."""
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    def fail_open(self, message: str) -> None:
+        """End every open request with an "error" delta (the channel broke)."""
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(SequenceDelta(rid, 0, [], "", None, "error", error=message))
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                messages = await self._actor.next_outputs.remote(self.consumer_id, self._poll_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.error("polling the scheduler actor failed: %r", exc)
+                self.fail_open(f"the replica lost its scheduler: {type(exc).__name__}")
+                await asyncio.sleep(RETRY_DELAY_S)
+                continue
+            for message in messages:
+                self.dispatch(message.deltas)
+
+
+class RequestStream:
+    """One request's view of the channel: its queue plus what the response needs to count.
+
+    ``next()`` returns the next delta and raises ``APIError`` when the engine
+    ended the request with "error" (500) or "abort" (503): the HTTP layer turns
+    that into an error response or an SSE error event.
+    """
+
+    def __init__(self, request_id: str, queue: asyncio.Queue[SequenceDelta], *, n: int,
+                 num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.queue = queue
+        self.n = n
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reasons: list[str | None] = [None] * n
+
+    @property
+    def done(self) -> bool:
+        """Every sequence has finished."""
+        return all(r is not None for r in self.finish_reasons)
+
+    async def next(self) -> SequenceDelta:
+        """The next delta of any of the request's sequences."""
+        delta = await self.queue.get()
+        if delta.finish_reason == "error":
+            raise APIError(500, f"the engine failed while generating: {delta.error or 'unknown error'}")
+        if delta.finish_reason == "abort":
+            raise APIError(503, "the request was aborted by the server", code="request_aborted")
+        self.num_completion_tokens += len(delta.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.finish_reason is not None:
+            self.finish_reasons[delta.index] = delta.finish_reason
+        return delta
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response whose ``on_close`` always runs, even when cancelled mid-``send``.
+
+    A client that hangs up cancels the response task; if that lands while the
+    body generator is suspended at a ``yield``, the generator's ``finally``
+    would wait for garbage collection. ``on_close`` (idempotent) aborts now.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,99 @@
+"""``flotilla serve``: the OpenAI-compatible server on a local (or already running) Ray cluster.
+
+    flotilla serve --model tiny                      # http://127.0.0.1:8000/v1
+    flotilla serve --model /path/to/hf-dir --port 9000 --replicas 2 --max-model-len 4096
+
+Starts a local Ray cluster in this process unless Ray is already initialised
+or ``RAY_ADDRESS`` names a cluster to join (never a stale one found in
+``/tmp/ray``), starts Serve
+on ``--host``/``--port``, deploys ``apps.builder.build_app``, prints the URL
+and a curl line, and serves until Ctrl-C (or SIGTERM); then Serve and Ray are shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``serve`` on the CLI's subparsers."""
+    sp = subparsers.add_parser("serve", help="serve a model with an OpenAI-compatible API (Ray Serve)")
+    sp.add_argument("--model", default="tiny", help="model folder, hub id, or tiny/small")
+    sp.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
+    sp.add_argument("--host", default=DEFAULT_HOST)
+    sp.add_argument("--port", type=int, default=DEFAULT_PORT)
+    sp.add_argument("--replicas", type=int, default=1, help="LLMServer replicas (each owns an engine)")
+    sp.add_argument("--max-model-len", type=int, default=None)
+    sp.add_argument("--max-num-seqs", type=int, default=None)
+    sp.add_argument("--max-num-batched-tokens", type=int, default=None)
+    sp.add_argument("--num-kv-pages", type=int, default=None)
+    sp.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    sp.add_argument("--dtype", default=None)
+    sp.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="shards per replica (implies the Ray executor when > 1)")
+    sp.add_argument("--num-gpus", type=float, default=0.0,
+                    help="GPUs for each replica's scheduler actor (the in-process executor)")
+    sp.set_defaults(func=_serve)
+    return sp
+
+
+def app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``build_app`` arguments from the parsed command line (unset engine options keep defaults)."""
+    out: dict[str, Any] = {"model": args.model, "num_replicas": args.replicas}
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_pages",
+                 "kv_cache_memory_fraction", "dtype", "tensor_parallel_size"):
+        value = getattr(args, name)
+        if value is not None:
+            out[name] = value
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size > 1:
+        out["executor"] = "ray"
+    if args.served_model_name:
+        out["served_model_name"] = args.served_model_name
+    if args.num_gpus:
+        out["scheduler_options"] = {"num_gpus": args.num_gpus}
+    return out
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from apps.builder import build_app
+
+    application = build_app(app_args(args))  # validates the engine options before Ray starts
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application, name="flotilla", route_prefix="/")
+        url = f"http://{args.host}:{args.port}"
+        name = args.served_model_name or args.model
+        print(f"flotilla: serving {name!r} at {url}/v1 (Ctrl-C to stop)", flush=True)
+        print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
+        # Ctrl-C and SIGTERM both end the wait (a shell starting us in the
+        # background may have set SIGINT to ignore, so install the handlers).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("flotilla: shutting down", flush=True)
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return 0

@@ -152,15 +152,19 @@ def model_from_hf_config(config: dict[str, Any], name: str = "config") -> ModelA
     )
 
 
+def read_json_file(path: str | Path, param: str) -> Any:
+    """Parse a JSON file; a missing or unreadable one is an error naming ``param``."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidParameterError(param, f"{p} is not a file")
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidParameterError(param, f"cannot read {p}: {exc}") from exc
+
+
 def load_hf_config(path: str | Path) -> ModelArch:
     """Read ``path`` (a config.json, or a model folder holding one) into a :class:`ModelArch`."""
     p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise InvalidParameterError("config", f"{p} is not a file")
-    try:
-        config = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidParameterError("config", f"cannot read {p}: {exc}") from exc
+    config = read_json_file(p / "config.json" if p.is_dir() else p, "config")
     return model_from_hf_config(config, name=str(path))

@@ -11,10 +11,18 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
-from cluster.hardware import DTYPE_BITS, GPUS, MODELS, ModelArch, get_gpu, get_model, load_hf_config
+from cluster.hardware import (
+    DTYPE_BITS,
+    GPUS,
+    MODELS,
+    ModelArch,
+    get_gpu,
+    get_model,
+    load_hf_config,
+    read_json_file,
+)
 from cluster.planner import TP_DEGREES, PlanReport, plan
 from scheduling.errors import InvalidParameterError
 
@@ -57,16 +65,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def read_bench_throughput(path: str) -> float:
     """``output_tok_per_s`` from a JSON file such as ``flotilla bench offline`` prints."""
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidParameterError("bench_json", f"{p} is not a file")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidParameterError("bench_json", f"cannot read {p}: {exc}") from exc
+    data = read_json_file(path, "bench_json")
     value = data.get("output_tok_per_s") if isinstance(data, dict) else None
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidParameterError("bench_json", f'{p} has no positive "output_tok_per_s" number')
+        raise InvalidParameterError("bench_json", f'{path} has no positive "output_tok_per_s" number')
     return float(value)
 
 

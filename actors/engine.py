@@ -7,7 +7,7 @@ message per step carrying every request's progress.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actors.detokenizer import IncrementalDetokenizer
 from actors.engine_config import EngineConfig
@@ -122,7 +122,11 @@ class LLMEngine:
         batch, self._failed_batch = self._failed_batch, None
         if batch is None:
             return []
-        groups = dict.fromkeys(self._seqs[r.request_id].request_id for r in self.scheduler.running)
+        groups = dict.fromkeys(
+            self._seqs[r.request_id].request_id
+            for r in self.scheduler.requests_in_step(batch.step)
+            if r.request_id in self._seqs  # not aborted while the step ran
+        )
         deltas = [d for rid in groups for d in self._end_group(rid, "error", message)]
         self._close(batch)
         return deltas
@@ -255,6 +259,4 @@ def _flush(seq: _Sequence) -> str:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, seed=seed)

@@ -24,6 +24,7 @@ from kvcache.kv_pool import (
 )
 from kvcache.torch_attention import TorchPagedAttention
 from scheduling.batch import Batch, StepOutput
+from scheduling.errors import InvalidParameterError
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
@@ -35,8 +36,6 @@ def make_attention_backend(
     name = config.attention_backend
     on_cuda = pool.device.type == "cuda"
     if name == "flashinfer" and not on_cuda:
-        from scheduling.errors import InvalidParameterError
-
         raise InvalidParameterError(
             "attention_backend", "flashinfer needs a CUDA device; this engine runs on the CPU"
         )

@@ -135,6 +135,10 @@ class Scheduler:
         self._end(req, reason)
         return req
 
+    def requests_in_step(self, step: int) -> list[Request]:
+        """The requests a step still in flight was planned for (empty once updated)."""
+        return [req for req, _, _ in self._in_flight.get(step, ())]
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -219,3 +219,15 @@ def test_abort_of_prompt_source_releases_its_siblings() -> None:
     assert set(run.finished) == {"g#1"}
     assert run.finished["g#1"].output_token_ids == reference_generate(prompt, 3, VOCAB)
     assert_pool_clean(run)
+
+
+def test_requests_in_step_names_exactly_the_planned_ones() -> None:
+    cfg = SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
+    run = make(cfg, num_pages=64)
+    for i in range(3):
+        run.scheduler.add(req(str(i), [i + 1, i + 2], 4))
+    batch = run.scheduler.schedule()
+    assert batch is not None
+    assert [r.request_id for r in run.scheduler.requests_in_step(batch.step)] == ["0", "1"]
+    run.scheduler.update(batch, run.runner.execute(batch))
+    assert run.scheduler.requests_in_step(batch.step) == []

@@ -10,13 +10,6 @@ import pytest
 from apps.llm import LLM
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from actors.embedded_models import ensure_embedded_model
-
-    return ensure_embedded_model("tiny", root=tmp_path_factory.mktemp("flotilla_cache"))
-
-
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir: Path) -> Iterator[LLM]:
     llm = LLM(str(tiny_model_dir), max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,

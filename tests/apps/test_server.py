@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx2
 import openai
 import pytest
-import ray
 import yaml
 from ray import serve
 
-from actors.engine_stats import EngineStats
 from actors.outputs import SequenceDelta
 from actors.step_messages import StepMessage
 from apps.builder import build_app, split_args
@@ -30,29 +24,9 @@ from apps.llm import LLM
 from apps.stream_fanout import RequestStream, StreamFanout
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
+from tests.serve_harness import TIMEOUT, LiveServer, http, live_server
 
-ENGINE: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 512,
-                          "num_kv_pages": 256, "dtype": "float32", "device": "cpu"}
-ACTOR_NAME, ACTOR_NAMESPACE = "scheduler", "flotilla-test-server"
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _http(url: str, body: bytes | dict[str, Any] | None = None) -> tuple[int, Any]:
-    """``(status, parsed JSON)`` of a GET (no body) or POST."""
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 class _FakeActor:
@@ -113,55 +87,23 @@ def test_serve_yaml_is_a_valid_deploy_config() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[str]:
+def live(tiny_model_dir: Path) -> Iterator[LiveServer]:
     """One local Ray cluster and one replica of the tiny model on a free port."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"model": str(tiny_model_dir), "served_model_name": "tiny", "num_replicas": 1,
-                "scheduler_options": {"name": ACTOR_NAME, "namespace": ACTOR_NAMESPACE}, **ENGINE}
-        serve.run(build_app(args), name="flotilla", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            with contextlib.suppress(OSError, ValueError):  # not listening, or a non-JSON 404 yet
-                if _http(f"{url}/health")[0] == 200:
-                    break
-            assert time.monotonic() < deadline, "the server never became healthy"
-        yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with live_server(tiny_model_dir) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
-def client(server: str) -> openai.OpenAI:
+def server(live: LiveServer) -> str:
+    return live.url
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer, server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
-def _stats() -> EngineStats:
-    actor = ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE)
-    return cast(EngineStats, ray.get(actor.stats.remote(), timeout=TIMEOUT))
-
-
-def _assert_pages_free(deadline_s: float = 10.0) -> None:
-    """Within ``deadline_s`` no request is in flight and every KV page is free or evictable.
-
-    Each check is one round trip to the actor, so the bounded loop needs no sleep.
-    """
-    end = time.monotonic() + deadline_s
-    while True:
-        stats = _stats()
-        clean = (stats.num_unfinished_requests == 0 and stats.num_kv_pages_locked == 0
-                 and stats.num_kv_pages_free + stats.num_kv_pages_evictable == stats.num_kv_pages_total)
-        if clean:
-            return
-        assert time.monotonic() < end, f"KV pages not freed: {stats}"
-
-
-def test_completion_matches_offline_llm(client: openai.OpenAI, tiny_llm: LLM) -> None:
+def test_completion_matches_offline_llm(live: LiveServer, client: openai.OpenAI, tiny_llm: LLM) -> None:
     prompt = "Once upon a time"
     offline = tiny_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
                                 use_tqdm=False)[0]
@@ -177,7 +119,7 @@ def test_completion_matches_offline_llm(client: openai.OpenAI, tiny_llm: LLM) ->
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == offline.outputs[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
-    _assert_pages_free()
+    live.assert_pages_free()
 
 
 def test_completion_n_logprobs_stop_seed(client: openai.OpenAI) -> None:
@@ -199,7 +141,7 @@ def test_completion_n_logprobs_stop_seed(client: openai.OpenAI) -> None:
     assert cut.finish_reason == "stop" and cut.text == greedy[: greedy.index(stop)]
 
 
-def test_chat_matches_offline_llm(client: openai.OpenAI, tiny_llm: LLM) -> None:
+def test_chat_matches_offline_llm(live: LiveServer, client: openai.OpenAI, tiny_llm: LLM) -> None:
     messages: list[Any] = [{"role": "user", "content": "hi there"}]
     offline = tiny_llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
     resp = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16,
@@ -216,7 +158,7 @@ def test_chat_matches_offline_llm(client: openai.OpenAI, tiny_llm: LLM) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline.outputs[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(offline.prompt_token_ids)
-    _assert_pages_free()
+    live.assert_pages_free()
 
 
 def test_chat_stream_with_n_matches_non_streaming(client: openai.OpenAI) -> None:
@@ -233,14 +175,14 @@ def test_chat_stream_with_n_matches_non_streaming(client: openai.OpenAI) -> None
 
 
 def test_models_health_tokenize(server: str, tiny_llm: LLM) -> None:
-    status, body = _http(f"{server}/v1/models")
+    status, body = http(f"{server}/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == ["tiny"]
-    assert _http(f"{server}/health") == (200, {"status": "ok"})
-    status, body = _http(f"{server}/tokenize", {"prompt": "hello"})
+    assert http(f"{server}/health") == (200, {"status": "ok"})
+    status, body = http(f"{server}/tokenize", {"prompt": "hello"})
     assert status == 200 and body["tokens"] == tiny_llm.engine.tokenize("hello")
-    status, body = _http(f"{server}/detokenize", {"tokens": body["tokens"]})
+    status, body = http(f"{server}/detokenize", {"tokens": body["tokens"]})
     assert (status, body["prompt"]) == (200, "hello")
-    status, body = _http(f"{server}/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    status, body = http(f"{server}/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
     assert body["tokens"] == tiny_llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0].prompt_token_ids
 
 
@@ -251,11 +193,11 @@ def test_models_health_tokenize(server: str, tiny_llm: LLM) -> None:
     (b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}', 413, None),
 ])
 def test_errors_then_success(server: str, body: bytes | dict[str, Any], status: int, param: str | None) -> None:
-    got, err = _http(f"{server}/v1/completions", body)
+    got, err = http(f"{server}/v1/completions", body)
     assert got == status, err
     assert err["error"]["param"] == param and err["error"]["message"]
     assert err["error"]["type"] == "invalid_request_error"
-    ok, resp = _http(f"{server}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    ok, resp = http(f"{server}/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert ok == 200 and resp["usage"]["completion_tokens"] == 2
 
 
@@ -267,32 +209,32 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
         client.completions.create(model="other", prompt="x")
 
 
-def test_streaming_disconnect_frees_pages(server: str) -> None:
-    steps_before = _stats().num_steps
+def test_streaming_disconnect_frees_pages(live: LiveServer, server: str) -> None:
+    steps_before = live.stats().num_steps
     body = {"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    with httpx2.Client(timeout=TIMEOUT) as http, http.stream("POST", f"{server}/v1/completions", json=body) as resp:
+    with httpx2.Client(timeout=TIMEOUT) as web, web.stream("POST", f"{server}/v1/completions", json=body) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 break  # one token arrived: the request is running; now hang up
-    _assert_pages_free(10.0)
+    live.assert_pages_free(10.0)
     # Aborted, not finished: 2,000 tokens would have taken 2,000 decode steps.
-    steps = _stats().num_steps - steps_before
+    steps = live.stats().num_steps - steps_before
     assert steps < 1000, f"{steps} steps ran: the request was not aborted on disconnect"
-    ok, resp_body = _http(f"{server}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    ok, resp_body = http(f"{server}/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert ok == 200, resp_body
 
 
-def test_non_streaming_disconnect_frees_pages(server: str) -> None:
-    steps_before = _stats().num_steps
+def test_non_streaming_disconnect_frees_pages(live: LiveServer, server: str) -> None:
+    steps_before = live.stats().num_steps
     body = json.dumps({"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True}).encode()
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + TIMEOUT
-        while _stats().num_running == 0:
+        while live.stats().num_running == 0:
             assert time.monotonic() < deadline, "the request never started"
-    _assert_pages_free(10.0)
-    steps = _stats().num_steps - steps_before
+    live.assert_pages_free(10.0)
+    steps = live.stats().num_steps - steps_before
     assert steps < 1000, f"{steps} steps ran: the request was not aborted on disconnect"

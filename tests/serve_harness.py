@@ -1,0 +1,103 @@
+"""A real local Ray cluster and Serve app of the tiny model on a free loopback port.
+
+Shared by every test module that talks HTTP to flotilla (``tests/apps``,
+``tests/flotilla``, ``tests/cluster``): ``live_server`` starts Ray in this
+process (token auth off for this private cluster), deploys ``build_app`` and
+waits until ``/health`` answers 200; it shuts Serve and Ray down on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import ray
+from ray import serve
+
+from actors.engine_stats import EngineStats
+from apps.builder import build_app
+
+ENGINE: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 512,
+                          "num_kv_pages": 256, "dtype": "float32", "device": "cpu"}
+ACTOR_NAMESPACE = "flotilla-test-server"
+TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(url: str, body: bytes | dict[str, Any] | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """``(status, parsed JSON)`` of a GET (no body) or POST."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    """A running app: its base URL and the name of its (single) replica's scheduler actor."""
+
+    url: str
+    actor_name: str
+
+    def stats(self) -> EngineStats:
+        actor = ray.get_actor(self.actor_name, namespace=ACTOR_NAMESPACE)
+        return cast(EngineStats, ray.get(actor.stats.remote(), timeout=TIMEOUT))
+
+    def assert_pages_free(self, deadline_s: float = 10.0) -> None:
+        """Within ``deadline_s`` no request is in flight and every KV page is free or evictable.
+
+        Each check is one round trip to the actor, so the bounded loop needs no sleep.
+        """
+        end = time.monotonic() + deadline_s
+        while True:
+            s = self.stats()
+            if (s.num_unfinished_requests == 0 and s.num_kv_pages_locked == 0
+                    and s.num_kv_pages_free + s.num_kv_pages_evictable == s.num_kv_pages_total):
+                return
+            assert time.monotonic() < end, f"KV pages not freed: {s}"
+
+
+def wait_healthy(url: str, timeout_s: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError, ValueError):  # not listening, or a non-JSON 404 yet
+            if http(f"{url}/health")[0] == 200:
+                return
+        assert time.monotonic() < deadline, f"{url} never became healthy"
+
+
+@contextlib.contextmanager
+def live_server(model_dir: Path, actor_name: str = "scheduler", **app_args: Any) -> Iterator[LiveServer]:
+    """One local Ray cluster and one replica of ``model_dir`` (extra ``app_args`` go to ``build_app``)."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"model": str(model_dir), "served_model_name": "tiny", "num_replicas": 1,
+                "scheduler_options": {"name": actor_name, "namespace": ACTOR_NAMESPACE}, **ENGINE, **app_args}
+        serve.run(build_app(args), name="flotilla", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        yield LiveServer(url, actor_name)
+    finally:
+        serve.shutdown()
+        ray.shutdown()

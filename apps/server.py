@@ -39,7 +39,9 @@ from actors.scheduler_actor import SchedulerActor
 from apps import protocol as p
 from apps import request_params as rq
 from apps.errors import APIError, error_response
+from apps.replica_stats import ReplicaStats
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
+from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
 from scheduling.batch import TokenLogprobs
 
 app = FastAPI(title="flotilla", docs_url=None, redoc_url=None)
@@ -107,7 +109,7 @@ class _Output:
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10.0)
 @serve.ingress(app)
-class LLMServer:
+class LLMServer(ReplicaStats):
     """One replica: its own SchedulerActor, tokenizer and output fan-out.
 
     ``engine`` holds ``EngineConfig`` fields; ``served_model_name`` is the name
@@ -127,7 +129,9 @@ class LLMServer:
         status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
         if not status.ok:
             raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
-        self._fanout = StreamFanout(self._actor, f"replica-{uuid.uuid4().hex[:12]}")
+        replica_id = f"replica-{uuid.uuid4().hex[:12]}"
+        self.metrics = ReplicaMetrics(self.model_name, replica_id)
+        self._fanout = StreamFanout(self._actor, replica_id, observer=self.metrics.observe)
 
     async def check_health(self) -> None:
         """Serve's replica check: fails (and the replica is replaced) only if the actor is gone."""
@@ -167,6 +171,13 @@ class LLMServer:
         if not status.ok:
             return _error(APIError(503, status.message))
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_text(self) -> Response:
+        """Prometheus text: this replica's request, token, latency, KV and memory figures."""
+        with contextlib.suppress(Exception):  # the engine is down: serve the last figures (/health says why)
+            self.metrics.update(await asyncio.wait_for(self._actor.stats.remote(), HEALTH_TIMEOUT_S))
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

@@ -39,8 +39,10 @@ RETRY_DELAY_S = 1.0  # between failed polls: the actor is down, do not spin
 class StreamFanout:
     """Routes the scheduler actor's step messages to per-request queues (one event loop)."""
 
-    def __init__(self, actor: Any, consumer_id: str, *, poll_timeout_s: float = 1.0) -> None:
+    def __init__(self, actor: Any, consumer_id: str, *, poll_timeout_s: float = 1.0,
+                 observer: Callable[[list[SequenceDelta]], None] | None = None) -> None:
         self._actor = actor
+        self._observer = observer  # sees every step's deltas first (metrics)
         self.consumer_id = consumer_id
         self._poll_timeout_s = poll_timeout_s
         self._queues: dict[str, asyncio.Queue[SequenceDelta]] = {}
@@ -103,6 +105,11 @@ class StreamFanout:
                 await asyncio.sleep(RETRY_DELAY_S)
                 continue
             for message in messages:
+                if self._observer is not None:
+                    try:
+                        self._observer(message.deltas)
+                    except Exception:  # metrics must never break the stream
+                        logger.exception("the delta observer failed")
                 self.dispatch(message.deltas)
 
 

@@ -8,7 +8,9 @@ exact. Every error goes through ``apps.errors.error_response``.
 
 A client that goes away cancels its handler (Serve cancels the request);
 the handler's ``finally`` (JSON) or ``EventStreamResponse``'s ``on_close``
-(SSE) then aborts the request in the actor, which frees its KV pages.
+(SSE) then aborts the request in the actor, which frees its KV pages. A
+done-callback on the handler's task covers the gap between returning the
+SSE response and sending its first byte.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
 SSE), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
@@ -38,6 +40,7 @@ from actors.outputs import SequenceDelta
 from actors.scheduler_actor import SchedulerActor
 from apps import protocol as p
 from apps import request_params as rq
+from apps.detached import detached
 from apps.errors import APIError, error_response
 from apps.replica_stats import ReplicaStats
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
@@ -132,6 +135,7 @@ class LLMServer(ReplicaStats):
         replica_id = f"replica-{uuid.uuid4().hex[:12]}"
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
         self._fanout = StreamFanout(self._actor, replica_id, observer=self.metrics.observe)
+        self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 
     async def check_health(self) -> None:
         """Serve's replica check: fails (and the replica is replaced) only if the actor is gone."""
@@ -247,19 +251,41 @@ class LLMServer(ReplicaStats):
             return _error(exc)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         queue = self._fanout.open(rid)
+        submitted = self._actor.submit.remote(rid, ids, params, consumer_id=self._fanout.consumer_id)
         try:
-            num_prompt = await self._actor.submit.remote(rid, ids, params, consumer_id=self._fanout.consumer_id)
+            num_prompt = await submitted
         except BaseException as exc:
             self._fanout.close(rid)
-            if not isinstance(exc, Exception):  # cancelled mid-submit: it may have been queued
-                self._actor.abort.remote(rid)
+            if not isinstance(exc, Exception):  # cancelled mid-submit: abort once the submit has landed
+                self._background(self._abort_after(submitted, rid))
                 raise
             return _error(exc)
         stream = RequestStream(rid, queue, n=params.n, num_prompt_tokens=num_prompt)
+        # The task that runs this handler also sends the response, so its end is the request's end
+        # on every path, including a cancel that lands after we return but before the first byte.
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(lambda _: self._release(stream))
         out = _Output(kind, model, int(time.time()), params.logprobs is not None, self._decode)
         if req.stream:
             return EventStreamResponse(self._sse(stream, out, req.include_usage), lambda: self._release(stream))
         return await self._whole(stream, out)
+
+    def _background(self, coro: Any) -> None:
+        """Run ``coro`` detached from the (cancelled) handler, holding a reference until it ends."""
+        task = detached(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abort_after(self, submitted: Any, request_id: str) -> None:
+        """Abort ``request_id`` after its submit call finished: an abort that overtook it would miss."""
+        with contextlib.suppress(Exception):
+            await submitted
+        await self._abort(request_id)
+
+    async def _abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):  # the actor is gone: nothing left to free
+            await self._actor.abort.remote(request_id)
 
     def _decode(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))  # one token's text, for logprobs
@@ -267,8 +293,9 @@ class LLMServer(ReplicaStats):
     def _release(self, stream: RequestStream) -> None:
         """Stop routing; abort in the actor if unfinished (fire-and-forget: we may be cancelled)."""
         self._fanout.close(stream.request_id)
-        if not stream.done:
-            self._actor.abort.remote(stream.request_id)
+        if not stream.done and not stream.released:
+            stream.released = True
+            self._background(self._abort(stream.request_id))
 
     async def _whole(self, stream: RequestStream, out: _Output) -> Response:
         texts = [""] * stream.n

@@ -29,6 +29,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 
 from actors.outputs import SequenceDelta
+from apps.detached import detached
 from apps.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ class StreamFanout:
     def start(self) -> None:
         """Start the polling task on the running loop (idempotent; restarts a dead task)."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            # Detached: the first request's handler starts this task; it must not be cancelled with it.
+            self._task = detached(self._run())
 
     async def stop(self) -> None:
         """Cancel the polling task and wait for it to end."""
@@ -129,6 +131,7 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0
+        self.released = False  # the HTTP layer has let go of it (and aborted it if unfinished)
         self.finish_reasons: list[str | None] = [None] * n
 
     @property

@@ -1,18 +1,41 @@
-"""One offline engine on the embedded tiny model, shared by the module's tests."""
+"""Fixtures of the apps tests: one offline engine and one live server of the tiny model.
+
+Both are package-scoped: every module here shares one Ray cluster and Serve
+app (starting one costs seconds on a 2-core machine).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from apps.llm import LLM
+from tests.serve_harness import TIMEOUT, LiveServer, live_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def tiny_llm(tiny_model_dir: Path) -> Iterator[LLM]:
     llm = LLM(str(tiny_model_dir), max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512,
               num_kv_pages=256)
     yield llm
     llm.engine.shutdown()
+
+
+@pytest.fixture(scope="package")
+def live(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    """One local Ray cluster and one replica of the tiny model on a free port."""
+    with live_server(tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="package")
+def server(live: LiveServer) -> str:
+    return live.url
+
+
+@pytest.fixture(scope="package")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)

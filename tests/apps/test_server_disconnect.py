@@ -1,0 +1,108 @@
+"""Clients that hang up: their requests are aborted in the scheduler and their KV pages freed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+
+import aiohttp
+import httpx2
+
+from tests.serve_harness import TIMEOUT, LiveServer, http
+
+LONG = {"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True}
+
+
+def test_streaming_disconnect_frees_pages(live: LiveServer) -> None:
+    steps_before = live.stats().num_steps
+    with httpx2.Client(timeout=TIMEOUT) as web, \
+            web.stream("POST", f"{live.url}/v1/completions", json={**LONG, "stream": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token arrived: the request is running; now hang up
+    live.assert_pages_free(10.0)
+    # Aborted, not finished: 2,000 tokens would have taken 2,000 decode steps.
+    steps = live.stats().num_steps - steps_before
+    assert steps < 1000, f"{steps} steps ran: the request was not aborted on disconnect"
+    ok, body = http(f"{live.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok == 200, body
+
+
+def _send_raw(live: LiveServer, body: dict[str, object]) -> socket.socket:
+    data = json.dumps(body).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_non_streaming_disconnect_frees_pages(live: LiveServer) -> None:
+    steps_before = live.stats().num_steps
+    with _send_raw(live, LONG):
+        deadline = time.monotonic() + TIMEOUT
+        while live.stats().num_running == 0:
+            assert time.monotonic() < deadline, "the request never started"
+    live.assert_pages_free(10.0)
+    steps = live.stats().num_steps - steps_before
+    assert steps < 1000, f"{steps} steps ran: the request was not aborted on disconnect"
+
+
+def test_streaming_client_gone_before_first_byte_is_aborted(live: LiveServer) -> None:
+    steps_before = live.stats().num_steps
+    with _send_raw(live, {**LONG, "stream": True}):
+        deadline = time.monotonic() + TIMEOUT
+        while live.stats().num_unfinished_requests == 0:
+            assert time.monotonic() < deadline, "the request never arrived"
+    live.assert_pages_free(10.0)
+    assert live.stats().num_steps - steps_before < 1000
+
+
+async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> None:
+    """Stream a long request and hang up after a random number of events (0: before any)."""
+    cut = rng.choice([0, 0, 1, 2, 5, 10, 30])
+    body = {**LONG, "stream": True, "prompt": f"story {rng.random()}"}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        seen = 0
+        async for line in resp.content:
+            if seen >= cut:
+                break
+            if line.startswith(b"data: {"):
+                seen += 1
+    # Leaving the block without reading to the end closes the connection.
+
+
+def test_disconnect_storm_frees_every_page(live: LiveServer) -> None:
+    """100 streams cancelled at random points (some by the client task being cancelled)."""
+    rng = random.Random(0)
+
+    async def storm() -> None:
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as session:
+            # A bystander that stays: one client's disconnect must not fail anyone else's request.
+            bystander = asyncio.create_task(session.post(
+                f"{live.url}/v1/completions", json={"prompt": "stay", "max_tokens": 200, "ignore_eos": True}))
+            tasks = [asyncio.create_task(_one(session, live.url, rng)) for _ in range(100)]
+            # A fifth are cancelled from outside, wherever they are (connecting, reading).
+            done, pending = await asyncio.wait(tasks, timeout=0.5)
+            for task in list(pending)[:20]:
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)
+                      and not isinstance(r, asyncio.CancelledError)]
+            assert not errors, errors[:3]
+            async with await bystander as resp:
+                body = await resp.json()
+                assert resp.status == 200, body
+                assert body["usage"]["completion_tokens"] == 200
+
+    asyncio.run(storm())
+    live.assert_pages_free(10.0)
+    ok, body = http(f"{live.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok == 200, body

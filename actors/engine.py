@@ -247,7 +247,8 @@ class LLMEngine:
 
 def _timing(req: Request) -> SequenceTiming:
     return SequenceTiming(
-        req.arrival_time, req.first_token_time, req.last_token_time, len(req.output_token_ids)
+        req.arrival_time, req.first_token_time, req.last_token_time, len(req.output_token_ids),
+        req.first_scheduled_time,
     )
 
 

@@ -3,13 +3,19 @@
 ``LatencyWindow`` keeps the most recent TTFT and TPOT samples in bounded
 deques, so percentiles describe current load (not the whole uptime) and
 memory stays flat however long the replica runs. ``EngineStats`` is the
-small typed snapshot ``SchedulerActor.stats()`` returns.
+small typed snapshot ``SchedulerActor.stats()`` returns; its memory figures
+are read in the process that calls ``snapshot`` (the one holding the model).
 """
 
 from __future__ import annotations
 
+import os
+import resource
+import sys
+import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.outputs import SequenceDelta
@@ -86,12 +92,99 @@ class EngineStats:
     ttft_ms_p95: float
     tpot_ms_p50: float
     tpot_ms_p95: float
+    # Cumulative prompt tokens looked up in / found in the prefix cache (first admission only).
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    # The snapshotting process: resident set now and at its peak, the memory it
+    # may use (cgroup limit or physical RAM, whichever is lower), CPU seconds used.
+    memory_used_bytes: int = 0
+    memory_peak_bytes: int = 0
+    memory_limit_bytes: int = 0
+    cpu_seconds_total: float = 0.0
+    # The device this process drives (None without CUDA): memory in use on it
+    # (by every process), its size, and its utilisation over the last sample period.
+    gpu_memory_used_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
+    gpu_utilization_perc: float | None = None
+    # time.time() when taken, so a reader can turn cpu_seconds_total into a rate.
+    wall_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUsage:
+    """Host and device memory of this process (bytes); device fields None without CUDA."""
+
+    used_bytes: int
+    peak_bytes: int
+    limit_bytes: int
+    cpu_seconds: float
+    gpu_used_bytes: int | None = None
+    gpu_total_bytes: int | None = None
+    gpu_utilization_perc: float | None = None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def memory_limit_bytes() -> int:
+    """What this process may use: the cgroup limit (v2 or v1) when set, else physical RAM."""
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [x for x in (_read_int("/sys/fs/cgroup/memory.max"),
+                          _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")) if x]
+    return min([phys, *limits])
+
+
+def _rss_bytes() -> int:
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return _peak_rss_bytes()  # no procfs (macOS): the peak is the best we have
+
+
+def _peak_rss_bytes() -> int:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kib if sys.platform == "darwin" else kib * 1024)  # macOS reports bytes
+
+
+def _gpu_usage() -> tuple[int | None, int | None, float | None]:
+    """Device memory and utilisation, only where this process already uses CUDA.
+
+    Never initialises CUDA (a CPU replica must not grab a device context).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None, None, None
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except Exception:
+        return None, None, None
+    util: float | None
+    try:
+        util = float(torch.cuda.utilization())  # NVML; absent without pynvml
+    except Exception:
+        util = None
+    return int(total - free), int(total), util
+
+
+def memory_usage() -> MemoryUsage:
+    """Read this process's memory figures now."""
+    used, peak = _rss_bytes(), _peak_rss_bytes()
+    times = os.times()
+    gpu_used, gpu_total, gpu_util = _gpu_usage()
+    return MemoryUsage(used, max(peak, used), memory_limit_bytes(), times.user + times.system,
+                       gpu_used, gpu_total, gpu_util)
 
 
 def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
     """Read an engine's counters; call it where no step is half-applied (the actor's loop)."""
     sched, alloc, cache = engine.scheduler, engine.allocator, engine.scheduler.cache
     total, free = alloc.num_pages, alloc.num_free_pages
+    mem = memory_usage()
     return EngineStats(
         num_waiting=len(sched.waiting),
         num_running=len(sched.running),
@@ -108,4 +201,14 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         ttft_ms_p95=latency.ms("ttft", 95),
         tpot_ms_p50=latency.ms("tpot", 50),
         tpot_ms_p95=latency.ms("tpot", 95),
+        prefix_cache_queries_tokens=sched.stats.prefix_queries_tokens,
+        prefix_cache_hits_tokens=sched.stats.prefix_hit_tokens,
+        memory_used_bytes=mem.used_bytes,
+        memory_peak_bytes=mem.peak_bytes,
+        memory_limit_bytes=mem.limit_bytes,
+        cpu_seconds_total=round(mem.cpu_seconds, 3),
+        gpu_memory_used_bytes=mem.gpu_used_bytes,
+        gpu_memory_total_bytes=mem.gpu_total_bytes,
+        gpu_utilization_perc=mem.gpu_utilization_perc,
+        wall_time=time.time(),
     )

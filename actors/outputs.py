@@ -42,6 +42,21 @@ class SequenceTiming:
     first_token_time: float | None
     last_token_time: float | None
     num_output_tokens: int
+    first_scheduled_time: float | None = None  # when it first entered a batch
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Time spent waiting before first being scheduled, or None if it never was."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Arrival to last token, or None if no token was produced."""
+        if self.last_token_time is None:
+            return None
+        return self.last_token_time - self.arrival_time
 
     @property
     def ttft_s(self) -> float | None:

@@ -1,25 +1,394 @@
-"""Replica metrics (placeholder interface; being implemented)."""
+"""Replica and cluster metrics: vLLM's names with a ``flotilla:`` prefix.
+
+Each replica keeps its figures in a private Prometheus registry, rendered by
+its own ``GET /metrics``, and mirrors them into Ray's metrics system
+(``ray.util.metrics``, tagged by model and replica) so every replica's figures
+reach Ray's one Prometheus endpoint. Ray rejects ``:`` in names, so there the
+prefix is ``flotilla_`` and Ray adds ``ray_``: ``flotilla:num_requests_running``
+on a replica is ``ray_flotilla_num_requests_running`` on the cluster endpoint.
+Counters are declared without ``_total``; both exporters append it.
+
+Sources: ``observe`` sees every engine step's deltas (tokens, finish reasons,
+the finished sequences' timings); ``update`` takes an ``EngineStats`` snapshot
+(queue sizes, KV use, cumulative prefix-cache and preemption counters,
+memory). Inter-token latency is measured where the replica receives tokens,
+which is what a client sees. Nothing here raises into the serving path.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from actors.engine_stats import EngineStats
 from actors.outputs import SequenceDelta
 
+logger = logging.getLogger(__name__)
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "flotilla:"
+RAY_PREFIX = "flotilla_"
+RAY_EXPORT_PREFIX = "ray_"
+REPLICA_LABELS = ("model_name", "replica")
+DEPLOYMENT_LABELS = ("deployment",)
+
+# Latency buckets (seconds), close to vLLM's: fine below 100 ms for ITL/TPOT,
+# long tails for queueing and end-to-end time. Ray requires them positive.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                   20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One metric family: ``name`` without prefix, its kind, help and labels."""
+
+    name: str
+    kind: str  # "gauge" | "counter" | "histogram"
+    help: str
+    labels: tuple[str, ...] = REPLICA_LABELS
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exposition_name(self) -> str:
+        """The family's name on a replica's ``/metrics``."""
+        return PREFIX + self.name
+
+    @property
+    def ray_name(self) -> str:
+        """The name given to ``ray.util.metrics``."""
+        return RAY_PREFIX + self.name
+
+    def sample_names(self, exported: str) -> set[str]:
+        """The sample names a Prometheus scrape shows for the family exported as ``exported``."""
+        if self.kind == "counter":
+            return {exported + "_total"}
+        if self.kind == "histogram":
+            return {exported + s for s in ("_bucket", "_sum", "_count")}
+        return {exported}
+
+
+def _g(name: str, help: str) -> Family:
+    return Family(name, "gauge", help)
+
+
+def _c(name: str, help: str, labels: tuple[str, ...] = REPLICA_LABELS) -> Family:
+    return Family(name, "counter", help, labels)
+
+
+def _h(name: str, help: str, buckets: tuple[float, ...]) -> Family:
+    return Family(name, "histogram", help, REPLICA_LABELS, buckets)
+
+
+REPLICA_FAMILIES: tuple[Family, ...] = (
+    _g("num_requests_running", "Sequences in the running batch."),
+    _g("num_requests_waiting", "Sequences waiting to be scheduled (including preempted ones)."),
+    _g("kv_cache_usage_perc", "Fraction of KV pages held by requests (0..1; reclaimable cache pages count as free)."),
+    _c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    _c("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    _c("prompt_tokens", "Prompt tokens of requests that started generating."),
+    _c("generation_tokens", "Generated tokens."),
+    _c("request_success", "Finished sequences by finish reason (stop, length, abort, error).",
+       (*REPLICA_LABELS, "finished_reason")),
+    _c("num_preemptions", "Preemptions of running sequences."),
+    _c("process_cpu_seconds", "CPU seconds used by the engine process (rate() gives cores busy)."),
+    _g("memory_used_bytes", "Resident memory of the engine process."),
+    _g("memory_peak_bytes", "Peak resident memory of the engine process."),
+    _g("memory_limit_bytes", "Memory the engine process may use (cgroup limit or physical RAM)."),
+    _g("gpu_memory_used_bytes", "Memory in use on the engine's GPU (absent on CPU)."),
+    _g("gpu_memory_total_bytes", "Size of the engine's GPU memory (absent on CPU)."),
+    _g("gpu_utilization_perc", "Utilisation of the engine's GPU, 0..100 (absent without NVML)."),
+    _h("time_to_first_token_seconds", "Arrival to first token, in the engine.", TTFT_BUCKETS),
+    _h("inter_token_latency_seconds", "Time between a sequence's successive tokens, as the replica receives them.",
+       TOKEN_BUCKETS),
+    _h("request_time_per_output_token_seconds", "Mean time per output token after the first (finished sequences).",
+       TOKEN_BUCKETS),
+    _h("e2e_request_latency_seconds", "Arrival to last token (sequences that ended by stop or length).",
+       REQUEST_BUCKETS),
+    _h("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS),
+)
+
+CLUSTER_FAMILIES: tuple[Family, ...] = (
+    Family("num_replicas", "gauge", "Replicas of the deployment when the autoscaler last decided.",
+           DEPLOYMENT_LABELS),
+    Family("target_replicas", "gauge", "Replicas the autoscaler last asked for.", DEPLOYMENT_LABELS),
+    Family("scaling_decisions", "counter", "Autoscaling decisions that changed the replica count.",
+           (*DEPLOYMENT_LABELS, "direction", "reason")),
+)
+
+
+def family(name: str) -> Family:
+    """The family called ``name`` (no prefix)."""
+    for f in REPLICA_FAMILIES + CLUSTER_FAMILIES:
+        if f.name == name:
+            return f
+    raise KeyError(name)
+
+
+def exported_sample_names() -> set[str]:
+    """Every sample name a scrape can show, on replicas' ``/metrics`` and on Ray's endpoint."""
+    names: set[str] = set()
+    for f in REPLICA_FAMILIES + CLUSTER_FAMILIES:
+        names |= f.sample_names(f.exposition_name)
+        names |= f.sample_names(RAY_EXPORT_PREFIX + f.ray_name)
+    return names
+
+
+# ------------------------------------------------------------------ Ray mirror
+_ray_metrics: dict[str, Any] = {}  # family name -> ray.util.metrics object (one per process)
+_ray_failed = False
+
+
+def _ray_ready() -> bool:
+    try:
+        import ray
+
+        return bool(ray.is_initialized())
+    except Exception:
+        return False
+
+
+def _ray_record(f: Family, value: float, tags: dict[str, str]) -> None:
+    """Set, add to or observe ``f`` in Ray's metrics; failures are logged once, never raised."""
+    global _ray_failed
+    try:
+        m: Any = _ray_metrics.get(f.name)
+        if m is None:
+            from ray.util import metrics as rm
+
+            if f.kind == "gauge":
+                m = rm.Gauge(f.ray_name, description=f.help, tag_keys=f.labels)
+            elif f.kind == "counter":
+                m = rm.Counter(f.ray_name, description=f.help, tag_keys=f.labels)
+            else:
+                m = rm.Histogram(f.ray_name, description=f.help, boundaries=list(f.buckets), tag_keys=f.labels)
+            _ray_metrics[f.name] = m
+        if f.kind == "gauge":
+            m.set(value, tags=tags)
+        elif f.kind == "counter":
+            if value > 0:  # Ray refuses inc(0)
+                m.inc(value, tags=tags)
+        else:
+            m.observe(value, tags=tags)
+    except Exception:
+        if not _ray_failed:
+            _ray_failed = True
+            logger.exception("recording %s in Ray's metrics failed (logged once)", f.ray_name)
+
+
+# ------------------------------------------------------------------- replica
+_FINISH_REASONS = ("stop", "length", "abort", "error")
+_GPU = ("gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_utilization_perc")
 
 
 class ReplicaMetrics:
-    """One replica's metrics: fed every step's deltas and engine-stats snapshots."""
+    """One replica's metrics: fed every step's deltas and engine-stats snapshots.
 
-    def __init__(self, model_name: str, replica_id: str) -> None:
+    ``export_to_ray`` mirrors every figure into ``ray.util.metrics`` (default:
+    when Ray is initialised in this process). ``max_tracked`` bounds the
+    per-sequence state kept for inter-token latency (oldest dropped first,
+    e.g. sequences whose final delta never arrived because the engine died).
+    Ray's copy of the inter-token histogram takes at most ``ray_itl_per_step``
+    samples of each step (a Ray observation costs ~5 us; a step's gaps are
+    nearly equal), so there its quantiles hold but its count is not a token
+    count: use ``generation_tokens`` for that.
+    """
+
+    def __init__(self, model_name: str, replica_id: str, *, export_to_ray: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic, max_tracked: int = 65536,
+                 ray_itl_per_step: int = 8) -> None:
         self.model_name, self.replica_id = model_name, replica_id
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._tags = {"model_name": model_name, "replica": replica_id}
+        self._ray = _ray_ready() if export_to_ray is None else export_to_ray
+        self._clock = clock
+        self._max_tracked = max_tracked
+        self._ray_itl_per_step = ray_itl_per_step
+        self._families = {f.name: f for f in REPLICA_FAMILIES}
+        self._prom: dict[str, Any] = {}
+        self._children: dict[tuple[str, ...], Any] = {}  # (family, extra label values) -> labelled child
+        for f in REPLICA_FAMILIES:
+            kind = {"gauge": Gauge, "counter": Counter}.get(f.kind)
+            if kind is not None:
+                self._prom[f.name] = kind(f.exposition_name, f.help, f.labels, registry=self.registry)
+            else:
+                self._prom[f.name] = Histogram(f.exposition_name, f.help, f.labels, buckets=f.buckets,
+                                               registry=self.registry)
+            if f.name not in _GPU and f.name != "request_success":
+                self._prom[f.name].labels(**self._tags)  # a zero sample before any traffic
+        for reason in _FINISH_REASONS:
+            self._prom["request_success"].labels(**self._tags, finished_reason=reason)
+        self._last_token_at: dict[tuple[str, int], float] = {}  # sequence -> when its last token came
+        self._seen: dict[str, float] = {}  # cumulative engine counters as last read
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------- recording
+    def _record(self, name: str, value: float, *, to_ray: bool = True, **extra: str) -> None:
+        f = self._families[name]
+        key = (name, *extra.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._prom[name].labels(**self._tags, **extra)
+        if f.kind == "gauge":
+            child.set(value)
+        elif f.kind == "counter":
+            child.inc(value)
+        else:
+            child.observe(value)
+        if self._ray and to_ray:
+            _ray_record(f, value, {**self._tags, **extra})
+
+    def _advance(self, name: str, total: float) -> None:
+        """Add what a cumulative engine counter gained since last read (a restarted engine starts over)."""
+        last = self._seen.get(name, 0.0)
+        gained = total - last if total >= last else total
+        self._seen[name] = total
+        if gained > 0:
+            self._record(name, gained)
 
     def observe(self, deltas: list[SequenceDelta]) -> None:
         """Every delta the replica receives (finishing ones carry timings)."""
+        now = self._clock()
+        num_prompt = num_generated = 0
+        ray_itl_left = self._ray_itl_per_step
+        for d in deltas:
+            key = (d.request_id, d.index)
+            if d.token_ids:
+                num_generated += len(d.token_ids)
+                last = self._last_token_at.pop(key, None)
+                if last is None:
+                    if d.index == 0:  # a request's prompt counts once, when its first token comes
+                        num_prompt += d.num_prompt_tokens
+                else:
+                    gap = (now - last) / len(d.token_ids)
+                    for _ in d.token_ids:
+                        self._record("inter_token_latency_seconds", gap, to_ray=ray_itl_left > 0)
+                        ray_itl_left -= 1
+                self._last_token_at[key] = now
+            if d.finish_reason is not None:
+                self._last_token_at.pop(key, None)
+                self._record("request_success", 1, finished_reason=d.finish_reason)
+                self._observe_timing(d)
+        if num_generated:
+            self._record("generation_tokens", num_generated)
+        if num_prompt:
+            self._record("prompt_tokens", num_prompt)
+        while len(self._last_token_at) > self._max_tracked:
+            del self._last_token_at[next(iter(self._last_token_at))]
+
+    def _observe_timing(self, d: SequenceDelta) -> None:
+        t = d.timing
+        if t is None:
+            return
+        if t.ttft_s is not None:
+            self._record("time_to_first_token_seconds", max(t.ttft_s, 0.0))
+        if t.queue_time_s is not None:
+            self._record("request_queue_time_seconds", max(t.queue_time_s, 0.0))
+        if d.finish_reason in ("stop", "length"):
+            if t.e2e_s is not None:
+                self._record("e2e_request_latency_seconds", max(t.e2e_s, 0.0))
+            if t.tpot_s is not None:
+                self._record("request_time_per_output_token_seconds", max(t.tpot_s, 0.0))
 
     def update(self, stats: EngineStats) -> None:
         """Refresh gauges and counters from a snapshot of the engine."""
+        total = stats.num_kv_pages_total
+        held = total - stats.num_kv_pages_free - stats.num_kv_pages_evictable
+        self._record("num_requests_running", stats.num_running)
+        self._record("num_requests_waiting", stats.num_waiting)
+        self._record("kv_cache_usage_perc", held / total if total else 0.0)
+        self._advance("prefix_cache_queries", stats.prefix_cache_queries_tokens)
+        self._advance("prefix_cache_hits", stats.prefix_cache_hits_tokens)
+        self._advance("num_preemptions", stats.num_preemptions)
+        self._advance("process_cpu_seconds", stats.cpu_seconds_total)
+        self._record("memory_used_bytes", stats.memory_used_bytes)
+        self._record("memory_peak_bytes", stats.memory_peak_bytes)
+        self._record("memory_limit_bytes", stats.memory_limit_bytes)
+        for name in _GPU:
+            value = getattr(stats, name)
+            if value is not None:
+                self._record(name, value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this replica's metrics."""
-        return b""
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------- reporting
+    def start_reporting(self, fetch: Callable[[], Awaitable[EngineStats]], interval_s: float = 5.0) -> None:
+        """Keep Ray's copy of the gauges fresh: ``update(await fetch())`` every ``interval_s``.
+
+        Call on the replica's event loop; idempotent, and restarts a task that ended.
+        """
+        if self._task is None or self._task.done():
+            # An empty context: started from a Serve call, it must not be cancelled with that call.
+            self._task = asyncio.get_running_loop().create_task(self._report(fetch, interval_s),
+                                                                context=contextvars.Context())
+
+    def stop_reporting(self) -> None:
+        """Cancel the reporting task (no wait)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _report(self, fetch: Callable[[], Awaitable[EngineStats]], interval_s: float) -> None:
+        while True:
+            try:
+                self.update(await asyncio.wait_for(fetch(), timeout=max(interval_s, 1.0) * 2))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the engine is down: keep the last figures
+                logger.debug("metrics refresh failed: %r", exc)
+            await asyncio.sleep(interval_s)  # a period, not a synchronisation
+
+
+# ------------------------------------------------------------------- cluster
+@dataclass(frozen=True, slots=True)
+class ScalingDecision:
+    """One autoscaling decision as recorded (kept per deployment for inspection)."""
+
+    deployment: str
+    current_replicas: int
+    target_replicas: int
+    reason: str
+    time: float
+
+
+_decisions: dict[str, ScalingDecision] = {}
+
+
+def record_scaling_decision(deployment: str, current_replicas: int, target_replicas: int, reason: str) -> None:
+    """Record an autoscaling decision in Ray's metrics; never raises.
+
+    Sets ``flotilla:num_replicas`` and ``flotilla:target_replicas`` for the
+    deployment, and counts ``flotilla:scaling_decisions{direction, reason}``
+    when the target differs from the current count. Callable from the Serve
+    controller's autoscaling policy (any process; a no-op for Ray when Ray is
+    not initialised there).
+    """
+    with contextlib.suppress(Exception):
+        current, target = int(current_replicas), int(target_replicas)
+        _decisions[str(deployment)] = ScalingDecision(str(deployment), current, target, str(reason), time.time())
+        if not _ray_ready():
+            return
+        tags = {"deployment": str(deployment)}
+        _ray_record(family("num_replicas"), current, tags)
+        _ray_record(family("target_replicas"), target, tags)
+        if target != current:
+            direction = "up" if target > current else "down"
+            _ray_record(family("scaling_decisions"), 1, {**tags, "direction": direction, "reason": str(reason)})
+
+
+def last_scaling_decision(deployment: str) -> ScalingDecision | None:
+    """The last decision recorded in this process for ``deployment``."""
+    return _decisions.get(deployment)

@@ -1,0 +1,184 @@
+"""Statistics, goodput and regression comparison for ``flotilla bench serve`` results.
+
+A run's per-request outcomes (``RequestResult``) become one summary dict:
+counts, duration, throughputs, TTFT/TPOT/ITL/E2E mean and percentiles in
+milliseconds, and goodput under SLOs. ``compare`` sets two result files side
+by side; a regression of TPOT P95 or of throughput beyond the threshold fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.engine_stats import percentile
+from scheduling.errors import InvalidParameterError
+
+SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One request's outcome, times in seconds from the client's view."""
+
+    ok: bool
+    start_s: float = 0.0  # when sent, after the run's start
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    usage_reported: bool = False
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def parse_slo(items: list[str] | dict[str, float] | None) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` (or the same as a dict) -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms)."""
+    if not items:
+        return {}
+    pairs = list(items.items()) if isinstance(items, dict) else [tuple(s.split(":", 1)) for s in items]
+    out: dict[str, float] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise InvalidParameterError("slo", f"expected METRIC:MS, got {':'.join(map(str, pair))!r}")
+        name, value = str(pair[0]).strip().lower(), pair[1]
+        if name not in SLO_METRICS:
+            raise InvalidParameterError("slo", f"unknown metric {name!r}; use one of {', '.join(SLO_METRICS)}")
+        try:
+            ms = float(value)
+        except ValueError as exc:
+            raise InvalidParameterError("slo", f"{name}: not a number of milliseconds: {value!r}") from exc
+        if not ms > 0:
+            raise InvalidParameterError("slo", f"{name}: must be > 0 ms, got {ms}")
+        out[name] = ms
+    return out
+
+
+def _meets(r: RequestResult, slo: dict[str, float]) -> bool:
+    values = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s, "itl": max(r.itl_s) if r.itl_s else None}
+    for name, limit_ms in slo.items():
+        v = values[name]
+        if v is not None and v * 1000.0 > limit_ms:
+            return False
+        if v is None and name in ("ttft", "e2e"):  # no token at all: cannot have met it
+            return False
+    return True
+
+
+def latency_stats(values_s: list[float]) -> dict[str, float | None]:
+    """Mean and P50/P95/P99 in milliseconds (None when there are no samples)."""
+    if not values_s:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    ms = [v * 1000.0 for v in values_s]
+    return {"mean": round(sum(ms) / len(ms), 3), **{f"p{q}": round(percentile(ms, q), 3) for q in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], duration_s: float, slo: dict[str, float]) -> dict[str, Any]:
+    """The run's figures from its requests' outcomes (failed requests count only as failures)."""
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    dur = max(duration_s, 1e-9)
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in failed:
+        errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
+    summary: dict[str, Any] = {
+        "successful_requests": len(ok),
+        "failed_requests": len(failed),
+        "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
+        "usage_reported": all(r.usage_reported for r in ok) if ok else False,
+        "duration_s": round(duration_s, 3),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": round(len(ok) / dur, 4),
+        "output_throughput": round(out_tokens / dur, 3),
+        "total_token_throughput": round((in_tokens + out_tokens) / dur, 3),
+        "ttft_ms": latency_stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": latency_stats([t for r in ok if (t := r.tpot_s) is not None]),
+        "itl_ms": latency_stats([g for r in ok for g in r.itl_s]),
+        "e2e_ms": latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "goodput": None,
+    }
+    if slo:
+        good = sum(1 for r in ok if _meets(r, slo))
+        summary["goodput"] = {"slo_ms": slo, "good_requests": good,
+                              "request_throughput": round(good / dur, 4),
+                              "fraction": round(good / len(results), 4) if results else 0.0}
+    return summary
+
+
+def samples(results: list[RequestResult]) -> dict[str, list[float]]:
+    """Per-request latencies (ms) of successful requests, for CDF plots."""
+    ok = [r for r in results if r.ok]
+    return {
+        "ttft_ms": [round(r.ttft_s * 1000.0, 3) for r in ok if r.ttft_s is not None],
+        "tpot_ms": [round(t * 1000.0, 3) for r in ok if (t := r.tpot_s) is not None],
+        "e2e_ms": [round(r.e2e_s * 1000.0, 3) for r in ok if r.e2e_s is not None],
+    }
+
+
+# ------------------------------------------------------------------- compare
+# (label, path into a run, higher is better, gates the exit code)
+COMPARED: tuple[tuple[str, tuple[str, ...], bool, bool], ...] = (
+    ("request_throughput", ("request_throughput",), True, True),
+    ("output_throughput", ("output_throughput",), True, True),
+    ("ttft_p50_ms", ("ttft_ms", "p50"), False, False),
+    ("ttft_p95_ms", ("ttft_ms", "p95"), False, False),
+    ("tpot_p50_ms", ("tpot_ms", "p50"), False, False),
+    ("tpot_p95_ms", ("tpot_ms", "p95"), False, True),
+    ("e2e_p95_ms", ("e2e_ms", "p95"), False, False),
+)
+
+
+def _get(run: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    node: Any = run
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return float(node) if isinstance(node, (int, float)) else None
+
+
+def compare(base: dict[str, Any], new: dict[str, Any], threshold: float = 0.05) -> tuple[list[dict[str, Any]], bool]:
+    """Rows comparing each run of ``new`` with the run of ``base`` at the same position.
+
+    A row regresses when a gating figure is worse by more than ``threshold``
+    (relative); returns the rows and whether any regressed.
+    """
+    rows: list[dict[str, Any]] = []
+    regressed = False
+    for i, (b, n) in enumerate(zip(base.get("runs", []), new.get("runs", []), strict=False)):
+        for label, path, higher_better, gates in COMPARED:
+            bv, nv = _get(b, path), _get(n, path)
+            change = None if bv is None or nv is None or bv == 0 else (nv - bv) / bv
+            worse = change is not None and (-change if higher_better else change) > threshold
+            bad = bool(worse and gates)
+            regressed |= bad
+            rows.append({"run": i, "request_rate": n.get("request_rate"), "metric": label, "base": bv, "new": nv,
+                         "change": None if change is None else round(change, 4), "regressed": bad})
+    return rows, regressed
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of ``compare`` rows."""
+    fmt = _fmt
+    lines = [f"{'run':>3} {'rate':>7} {'metric':<20} {'base':>12} {'new':>12} {'change':>8}"]
+    for r in rows:
+        change = "-" if r["change"] is None else f"{r['change'] * 100:+.1f}%"
+        flag = "  REGRESSED" if r["regressed"] else ""
+        lines.append(f"{r['run']:>3} {str(r['request_rate']):>7} {r['metric']:<20} {fmt(r['base']):>12} "
+                     f"{fmt(r['new']):>12} {change:>8}{flag}")
+    return "\n".join(lines)

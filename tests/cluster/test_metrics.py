@@ -1,0 +1,213 @@
+"""Replica metrics: the exposition from synthetic deltas and stats, the dashboard's names, and a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from actors.engine_stats import EngineStats, memory_usage
+from actors.outputs import SequenceDelta, SequenceTiming
+from cluster import metrics as m
+from cluster.metrics import (
+    CLUSTER_FAMILIES,
+    REPLICA_FAMILIES,
+    ReplicaMetrics,
+    exported_sample_names,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "ray_configs" / "grafana_dashboard.json"
+REQUIRED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+            "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
+            "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+            "request_queue_time_seconds", "memory_used_bytes", "memory_limit_bytes")
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``{(sample name, sorted labels without model/replica): value}`` of an exposition."""
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "replica")))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def stats(**kw: float | int | None) -> EngineStats:
+    base: dict[str, float | int | None] = dict(
+        num_waiting=2, num_running=3, num_unfinished_requests=5, num_kv_pages_total=100,
+        num_kv_pages_free=50, num_kv_pages_used=50, num_kv_pages_evictable=10, num_kv_pages_locked=4,
+        prefix_cache_hit_rate=0.25, num_preemptions=1, num_steps=7, ttft_ms_p50=1.0, ttft_ms_p95=2.0,
+        tpot_ms_p50=1.0, tpot_ms_p95=2.0, prefix_cache_queries_tokens=400, prefix_cache_hits_tokens=100,
+        memory_used_bytes=1000, memory_peak_bytes=1500, memory_limit_bytes=8000, cpu_seconds_total=2.5)
+    base.update(kw)
+    return EngineStats(**base)  # type: ignore[arg-type]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_deltas_become_tokens_latencies_and_finish_reasons() -> None:
+    clock = Clock()
+    rm = ReplicaMetrics("tiny", "r1", export_to_ray=False, clock=clock)
+    rm.observe([SequenceDelta("a", 0, [5], "x", None, num_prompt_tokens=10),
+                SequenceDelta("b", 0, [6], "y", None, num_prompt_tokens=7)])
+    clock.now += 0.02
+    rm.observe([SequenceDelta("a", 0, [7, 8], "zz", None, num_prompt_tokens=10)])
+    clock.now += 0.03
+    done = SequenceTiming(arrival_time=1.0, first_token_time=1.5, last_token_time=2.5, num_output_tokens=5,
+                          first_scheduled_time=1.25)
+    rm.observe([SequenceDelta("a", 0, [9], "w", None, "length", 10, 0, None, done),
+                SequenceDelta("b", 0, [], "", None, "abort", 7, 0, None,
+                              SequenceTiming(1.0, 1.1, 1.1, 1, 1.05))])
+    s = samples(rm.render())
+    assert s[("flotilla:prompt_tokens_total", ())] == 17  # each request's prompt counted once
+    assert s[("flotilla:generation_tokens_total", ())] == 5
+    assert s[("flotilla:request_success_total", (("finished_reason", "length"),))] == 1
+    assert s[("flotilla:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert s[("flotilla:request_success_total", (("finished_reason", "stop"),))] == 0
+    # a: 2 tokens 20 ms after the first (10 ms each), then 1 token 30 ms later
+    assert s[("flotilla:inter_token_latency_seconds_count", ())] == 3
+    assert s[("flotilla:inter_token_latency_seconds_sum", ())] == pytest.approx(0.05)
+    assert s[("flotilla:time_to_first_token_seconds_count", ())] == 2  # both produced a token
+    assert s[("flotilla:time_to_first_token_seconds_sum", ())] == pytest.approx(0.6)
+    assert s[("flotilla:request_queue_time_seconds_sum", ())] == pytest.approx(0.3)
+    # end-to-end and TPOT only for sequences that ended normally
+    assert s[("flotilla:e2e_request_latency_seconds_count", ())] == 1
+    assert s[("flotilla:e2e_request_latency_seconds_sum", ())] == pytest.approx(1.5)
+    assert s[("flotilla:request_time_per_output_token_seconds_sum", ())] == pytest.approx(0.25)
+    assert s[("flotilla:time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 1  # b's 0.1 s
+    assert s[("flotilla:time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 2  # and a's 0.5 s
+    assert rm._last_token_at == {}  # finished sequences leave no state
+
+
+def test_sequence_state_is_bounded() -> None:
+    rm = ReplicaMetrics("tiny", "r1", export_to_ray=False, max_tracked=4)
+    rm.observe([SequenceDelta(f"r{i}", 0, [1], "x", None, num_prompt_tokens=1) for i in range(10)])
+    assert list(rm._last_token_at) == [(f"r{i}", 0) for i in range(6, 10)]
+
+
+def test_engine_stats_become_gauges_and_counters() -> None:
+    rm = ReplicaMetrics("tiny", "r1", export_to_ray=False)
+    rm.update(stats())
+    rm.update(stats(prefix_cache_queries_tokens=500, prefix_cache_hits_tokens=160, num_preemptions=3,
+                    cpu_seconds_total=4.0, num_running=1))
+    s = samples(rm.render())
+    assert s[("flotilla:num_requests_running", ())] == 1
+    assert s[("flotilla:num_requests_waiting", ())] == 2
+    assert s[("flotilla:kv_cache_usage_perc", ())] == pytest.approx(0.4)  # evictable pages count as free
+    assert s[("flotilla:prefix_cache_queries_total", ())] == 500
+    assert s[("flotilla:prefix_cache_hits_total", ())] == 160
+    assert s[("flotilla:num_preemptions_total", ())] == 3
+    assert s[("flotilla:process_cpu_seconds_total", ())] == 4.0
+    assert s[("flotilla:memory_peak_bytes", ())] == 1500
+    assert s[("flotilla:memory_limit_bytes", ())] == 8000
+    assert not any(name.startswith("flotilla:gpu") for name, _ in s)  # CPU: no GPU samples
+    rm.update(stats(prefix_cache_queries_tokens=50, gpu_memory_used_bytes=7, gpu_memory_total_bytes=9,
+                    gpu_utilization_perc=55.0))  # a restarted engine counts from zero again
+    s = samples(rm.render())
+    assert s[("flotilla:prefix_cache_queries_total", ())] == 550
+    assert s[("flotilla:gpu_utilization_perc", ())] == 55.0
+    assert s[("flotilla:gpu_memory_total_bytes", ())] == 9
+
+
+def test_reporting_task_refreshes_from_the_engine() -> None:
+    async def scenario() -> bytes:
+        rm = ReplicaMetrics("tiny", "r1", export_to_ray=False)
+        calls: list[int] = []
+        second = asyncio.Event()
+
+        async def fetch() -> EngineStats:
+            calls.append(1)
+            if len(calls) == 1:
+                raise ConnectionError("engine down")  # a failed refresh keeps the task alive
+            second.set()
+            return stats(num_waiting=9)
+
+        rm.start_reporting(fetch, interval_s=0.001)
+        rm.start_reporting(fetch, interval_s=0.001)  # idempotent: still one task
+        await asyncio.wait_for(second.wait(), 10.0)
+        rm.stop_reporting()
+        return rm.render()
+
+    assert samples(asyncio.run(scenario()))[("flotilla:num_requests_waiting", ())] == 9
+
+
+def test_memory_usage_of_this_process() -> None:
+    mem = memory_usage()
+    assert 0 < mem.used_bytes <= mem.peak_bytes < mem.limit_bytes
+    assert mem.cpu_seconds > 0
+
+
+def test_scaling_decisions_never_raise() -> None:
+    m.record_scaling_decision("LLMServer", 1, 3, "queue")
+    decision = m.last_scaling_decision("LLMServer")
+    assert decision is not None and (decision.current_replicas, decision.target_replicas) == (1, 3)
+    m.record_scaling_decision("LLMServer", "x", None, "bad input")  # type: ignore[arg-type]
+    assert m.last_scaling_decision("LLMServer") == decision
+
+
+def _dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    return exprs
+
+
+def test_dashboard_is_valid_and_plots_only_exported_names() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["title"] and dash["panels"] and all(p["targets"] for p in dash["panels"])
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    referenced = {n for e in _dashboard_exprs() for n in re.findall(r"\b(?:ray_)?flotilla[_:][a-z0-9_]+", e)}
+    assert referenced and referenced <= exported_sample_names(), referenced - exported_sample_names()
+    families = {f.name for f in REPLICA_FAMILIES + CLUSTER_FAMILIES}
+    plotted = {f for f in families if any(f"flotilla_{f}" in n for n in referenced)}
+    assert plotted == families  # every exported family has a panel
+
+
+def test_live_server_exposes_every_family(tiny_model_dir: Path) -> None:
+    import ray
+
+    from tests.serve_harness import http, live_server
+
+    with live_server(tiny_model_dir, actor_name="metrics-scheduler") as server:
+        completion_tokens = 0
+        for i in range(3):
+            status, body = http(f"{server.url}/v1/completions",
+                                {"model": "tiny", "prompt": f"hello {i}", "max_tokens": 4, "ignore_eos": True})
+            assert status == 200, body
+            completion_tokens += body["usage"]["completion_tokens"]
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            text = resp.read()
+        s = samples(text)
+        names = {name for name, _ in s}
+        for fam in REQUIRED:
+            assert any(n.startswith(f"flotilla:{fam}") for n in names), fam
+        assert s[("flotilla:generation_tokens_total", ())] == completion_tokens == 12
+        assert s[("flotilla:request_success_total", (("finished_reason", "length"),))] == 3
+        assert s[("flotilla:time_to_first_token_seconds_count", ())] == 3
+        assert s[("flotilla:memory_used_bytes", ())] > 0
+        # The same figures reach Ray's one Prometheus endpoint (pushed every few seconds).
+        port = ray.nodes()[0]["MetricsExportPort"]
+        deadline = time.monotonic() + 45.0
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                cluster_text = resp.read().decode()
+            if "ray_flotilla_generation_tokens_total" in cluster_text and "ray_flotilla_memory_used_bytes" in cluster_text:
+                break
+            assert time.monotonic() < deadline, "flotilla metrics never reached Ray's endpoint"
+            time.sleep(0.5)  # Ray exports on its own timer (no event to wait on); bounded by the deadline
+        server.assert_pages_free()

@@ -10,7 +10,8 @@
 ``max_num_seqs``, ...), and the application options ``num_replicas`` (default
 1), ``served_model_name`` (default: ``model``), ``scheduler_options`` (Ray
 actor options of each replica's SchedulerActor, e.g. ``{"num_gpus": 1}``) and
-``max_body_bytes``. Unknown keys are refused, naming the key.
+``max_body_bytes``, ``api_keys`` (a key or a list; default ``$FLOTILLA_API_KEY``) and
+``max_queued_requests`` (per replica beyond ``max_num_seqs``; more get 429). Unknown keys are refused, naming the key.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from actors.engine_config import EngineConfig
-from apps.server import LLMServer
+from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
 from scheduling.errors import InvalidParameterError
 
-APP_OPTIONS = ("num_replicas", "served_model_name", "scheduler_options", "max_body_bytes")
+APP_OPTIONS = ("num_replicas", "served_model_name", "scheduler_options", "max_body_bytes",
+               "api_keys", "max_queued_requests")
+# Requests beyond a replica's capacity it must still see, to refuse them with 429.
+ADMISSION_HEADROOM = 64
 
 
 def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -46,9 +50,13 @@ def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def build_app(args: dict[str, Any]) -> Application:
     """The OpenAI-compatible application for ``args`` (see the module docstring)."""
     engine, options = split_args(dict(args))
-    EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
+    config = EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
     num_replicas = int(options.pop("num_replicas", 1))
     if num_replicas < 1:
         raise InvalidParameterError("num_replicas", f"must be >= 1, got {num_replicas}")
     deployment = cast(Deployment, LLMServer)  # @serve.deployment made the class a Deployment
-    return deployment.options(num_replicas=num_replicas).bind(engine, **options)
+    # Let a replica see every request it may hold, so it answers the excess with 429 itself
+    # rather than Serve queueing it without bound in front of the replica.
+    queued = int(options.get("max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS))
+    max_ongoing = config.max_num_seqs + queued + ADMISSION_HEADROOM
+    return deployment.options(num_replicas=num_replicas, max_ongoing_requests=max_ongoing).bind(engine, **options)

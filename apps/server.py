@@ -40,15 +40,19 @@ from actors.outputs import SequenceDelta
 from actors.scheduler_actor import SchedulerActor
 from apps import protocol as p
 from apps import request_params as rq
+from apps.auth import ApiKeyAuth
 from apps.detached import detached
 from apps.errors import APIError, error_response
 from apps.replica_stats import ReplicaStats
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
 from scheduling.batch import TokenLogprobs
+from scheduling.errors import InvalidParameterError
 
 app = FastAPI(title="flotilla", docs_url=None, redoc_url=None)
 HEALTH_TIMEOUT_S = 10.0
+DEFAULT_MAX_QUEUED_REQUESTS = 256  # per replica, beyond max_num_seqs; more get 429 + Retry-After
+RETRY_AFTER_S = 1
 
 
 class TokenizeRequest(BaseModel):
@@ -70,7 +74,8 @@ class DetokenizeRequest(BaseModel):
 
 def _error(exc: BaseException) -> JSONResponse:
     status, body = error_response(exc)
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -101,13 +106,27 @@ class _Output:
         build = p.completion_choice if self.kind == "completion" else p.chat_choice
         return build(index, text, finish, self.logprobs(index, entries))
 
-    def chunk(self, request_id: str, delta: SequenceDelta) -> dict[str, Any]:
-        lp = self.logprobs(delta.index, delta.logprobs or [])
-        if self.kind == "completion":
-            choice = p.completion_choice(delta.index, delta.text, delta.finish_reason, lp)
-            return p.completion_chunk(request_id, self.model, self.created, [choice])
-        choice = p.chat_delta_choice(delta.index, delta.text, delta.finish_reason, lp)
-        return p.chat_completion_chunk(request_id, self.model, self.created, [choice])
+    def chunk(self, request_id: str, deltas: list[SequenceDelta]) -> dict[str, Any] | None:
+        """One chunk for ``deltas`` (several steps' worth when the reader fell behind), or None if empty.
+
+        A sequence's deltas merge into one choice: texts and logprobs joined,
+        the last finish reason kept.
+        """
+        merged: dict[int, tuple[str, list[TokenLogprobs], str | None]] = {}
+        for d in deltas:
+            text, entries, finish = merged.get(d.index, ("", [], None))
+            merged[d.index] = (text + d.text, entries + (d.logprobs or []), d.finish_reason or finish)
+        choices = []
+        for index, (text, entries, finish) in merged.items():
+            if not (text or finish or entries):
+                continue
+            lp = self.logprobs(index, entries)
+            build = p.completion_choice if self.kind == "completion" else p.chat_delta_choice
+            choices.append(build(index, text, finish, lp))
+        if not choices:
+            return None
+        wrap = p.completion_chunk if self.kind == "completion" else p.chat_completion_chunk
+        return wrap(request_id, self.model, self.created, choices)
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10.0)
@@ -122,8 +141,15 @@ class LLMServer(ReplicaStats):
 
     def __init__(self, engine: dict[str, Any], *, served_model_name: str | None = None,
                  scheduler_options: dict[str, Any] | None = None,
-                 max_body_bytes: int = rq.DEFAULT_MAX_BODY_BYTES, startup_timeout_s: float = 600.0) -> None:
+                 max_body_bytes: int = rq.DEFAULT_MAX_BODY_BYTES, startup_timeout_s: float = 600.0,
+                 api_keys: str | list[str] | None = None,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
+        self.auth = ApiKeyAuth.resolve(api_keys)
+        if max_queued_requests < 0:
+            raise InvalidParameterError("max_queued_requests", f"must be >= 0, got {max_queued_requests}")
+        # Requests this replica holds at once: a full batch running plus a bounded queue behind it.
+        self.capacity = self.config.max_num_seqs + max_queued_requests
         self.model_name = served_model_name or self.config.model
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -138,13 +164,18 @@ class LLMServer(ReplicaStats):
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 
     async def check_health(self) -> None:
-        """Serve's replica check: fails (and the replica is replaced) only if the actor is gone."""
+        """Serve's replica check: fails (and the replica is replaced) only if the actor is gone.
+
+        Also (re)starts the task that keeps Ray's copy of the metrics fresh (idempotent).
+        """
+        self.metrics.start_reporting(self._actor.stats.remote)
         await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
 
     def __del__(self) -> None:
         """Serve's shutdown hook: stop polling, then end the actor (it holds the model and KV pool)."""
         with contextlib.suppress(Exception):
             self._fanout.cancel()
+            self.metrics.stop_reporting()
             ray.kill(self._actor, no_restart=True)
 
     # ----------------------------------------------------------------- routes
@@ -159,8 +190,12 @@ class LLMServer(ReplicaStats):
         return await self._generate(request, "chat")
 
     @app.get("/v1/models")
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
         """The one model this application serves."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except APIError as exc:
+            return _error(exc)
         card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "flotilla", "max_model_len": self.config.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
@@ -187,6 +222,7 @@ class LLMServer(ReplicaStats):
     async def tokenize(self, request: Request) -> Response:
         """``{"prompt"}`` or ``{"messages"}`` -> ``{"tokens", "count", "max_model_len"}``."""
         try:
+            self.auth.check(request.headers.get("authorization"))
             req = rq.parse_request(await self._body(request), TokenizeRequest, max_body_bytes=self.max_body_bytes)
             rq.check_model(req.model, self.model_name)
             if (req.prompt is None) == (req.messages is None):
@@ -204,6 +240,7 @@ class LLMServer(ReplicaStats):
     async def detokenize(self, request: Request) -> Response:
         """``{"tokens"}`` -> ``{"prompt"}``."""
         try:
+            self.auth.check(request.headers.get("authorization"))
             req = rq.parse_request(await self._body(request), DetokenizeRequest, max_body_bytes=self.max_body_bytes)
             rq.check_model(req.model, self.model_name)
             bad = [t for t in req.tokens if not 0 <= t < len(self.tokenizer)]
@@ -236,6 +273,10 @@ class LLMServer(ReplicaStats):
     async def _generate(self, request: Request, kind: str) -> Response:
         req: p.CompletionRequest | p.ChatCompletionRequest
         try:
+            self.auth.check(request.headers.get("authorization"))
+            if self._fanout.num_open >= self.capacity:
+                raise APIError(429, f"this replica is at capacity ({self.capacity} requests in flight); "
+                                    f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
             body = await self._body(request)
             if kind == "completion":
                 req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
@@ -321,9 +362,9 @@ class LLMServer(ReplicaStats):
                 first = [p.chat_delta_choice(i, "", role=True) for i in range(stream.n)]
                 yield p.sse_event(p.chat_completion_chunk(rid, out.model, out.created, first))
             while not stream.done:
-                delta = await stream.next()
-                if delta.text or delta.finish_reason or delta.logprobs:
-                    yield p.sse_event(out.chunk(rid, delta))
+                chunk = out.chunk(rid, await stream.next_many())
+                if chunk is not None:
+                    yield p.sse_event(chunk)
             if include_usage:
                 usage = p.usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens)
                 yield p.sse_event(p.usage_chunk(out.kind, rid, out.model, out.created, usage))  # type: ignore[arg-type]

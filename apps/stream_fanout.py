@@ -132,6 +132,7 @@ class RequestStream:
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0
         self.released = False  # the HTTP layer has let go of it (and aborted it if unfinished)
+        self._held: SequenceDelta | None = None  # an error/abort delta next_many() held back
         self.finish_reasons: list[str | None] = [None] * n
 
     @property
@@ -141,7 +142,31 @@ class RequestStream:
 
     async def next(self) -> SequenceDelta:
         """The next delta of any of the request's sequences."""
-        delta = await self.queue.get()
+        if self._held is not None:
+            delta, self._held = self._held, None
+        else:
+            delta = await self.queue.get()
+        return self._accept(delta)
+
+    async def next_many(self) -> list[SequenceDelta]:
+        """The next delta plus every delta already queued behind it.
+
+        A reader that fell behind (a slow client, a busy proxy) catches up in
+        one response chunk instead of one per engine step. An error or abort
+        queued behind good deltas is held back for the following call, so the
+        good ones are delivered first.
+        """
+        out = [await self.next()]
+        while not self.done and self._held is None and not self.queue.empty():
+            delta = self.queue.get_nowait()
+            if delta.finish_reason in ("error", "abort"):
+                self._held = delta
+            else:
+                out.append(self._accept(delta))
+        return out
+
+    def _accept(self, delta: SequenceDelta) -> SequenceDelta:
+        """Count ``delta``; raise ``APIError`` if it ends the request with an error or abort."""
         if delta.finish_reason == "error":
             raise APIError(500, f"the engine failed while generating: {delta.error or 'unknown error'}")
         if delta.finish_reason == "abort":

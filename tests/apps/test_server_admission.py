@@ -1,0 +1,93 @@
+"""API keys (401 in the OpenAI envelope) and backpressure (429 + Retry-After) on a guarded app.
+
+The app runs beside the package's default one on the same Ray cluster and
+Serve instance, under the route prefix ``/guarded``, with two keys, a batch
+of 2 and a queue of 2: a replica holds at most 4 requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import ray
+from ray import serve
+
+import flotilla
+from apps.builder import build_app
+from tests.serve_harness import ACTOR_NAMESPACE, ENGINE, TIMEOUT, LiveServer, http, wait_healthy
+
+KEYS = ["key-one", "key-two"]
+GOOD = {"Authorization": "Bearer key-two"}
+
+
+@pytest.fixture(scope="module")
+def guarded(live: LiveServer, tiny_model_dir: Path) -> Iterator[LiveServer]:
+    args = {**ENGINE, "model": str(tiny_model_dir), "served_model_name": "tiny", "max_num_seqs": 2,
+            "api_keys": KEYS, "max_queued_requests": 2,
+            "scheduler_options": {"name": "guarded-scheduler", "namespace": ACTOR_NAMESPACE}}
+    serve.run(build_app(args), name="guarded", route_prefix="/guarded")
+    try:
+        url = f"{live.url}/guarded"
+        wait_healthy(url)  # /health needs no key
+        yield LiveServer(url, "guarded-scheduler")
+    finally:
+        serve.delete("guarded")
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-two"},
+                                     {"Authorization": "Basic key-two"}, {"Authorization": "Bearer "}])
+def test_requests_without_a_valid_key_get_401(guarded: LiveServer, headers: dict[str, str]) -> None:
+    for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/tokenize", {"prompt": "hi"}), ("/v1/models", None)]:
+        status, err = http(f"{guarded.url}{path}", body, headers)
+        assert status == 401, (path, err)
+        assert err["error"]["code"] == "invalid_api_key" and err["error"]["type"] == "invalid_request_error"
+
+
+def test_valid_keys_are_let_in_by_every_client(guarded: LiveServer) -> None:
+    status, body = http(f"{guarded.url}/v1/completions", {"prompt": "hi", "max_tokens": 2}, GOOD)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    oai = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=KEYS[0], max_retries=0, timeout=TIMEOUT)
+    assert oai.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2  # type: ignore[union-attr]
+    with flotilla.Client(guarded.url, api_key=KEYS[1]) as sdk:
+        assert sdk.complete("hi", max_tokens=2).usage.completion_tokens == 2
+    with flotilla.Client(guarded.url, api_key="nope", max_retries=0) as sdk, \
+            pytest.raises(flotilla.AuthenticationError):
+        sdk.complete("hi", max_tokens=2)
+    assert http(f"{guarded.url}/health")[0] == 200
+    assert http(f"{guarded.url}/metrics".replace("/metrics", "/health"))[0] == 200
+
+
+def test_a_burst_of_ten_times_capacity_gets_429_with_retry_after(guarded: LiveServer) -> None:
+    capacity = 4
+
+    async def burst() -> list[tuple[int, dict[str, Any], str | None]]:
+        body = {"prompt": "burst", "max_tokens": 64, "ignore_eos": True}
+        async with aiohttp.ClientSession(headers=GOOD, timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as s:
+            async def one() -> tuple[int, dict[str, Any], str | None]:
+                async with s.post(f"{guarded.url}/v1/completions", json=body) as resp:
+                    return resp.status, await resp.json(), resp.headers.get("Retry-After")
+            return await asyncio.gather(*(one() for _ in range(10 * capacity)))
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if r[0] == 429]
+    served = [r for r in results if r[0] == 200]
+    assert len(refused) + len(served) == len(results), [r[:2] for r in results if r[0] not in (200, 429)]
+    assert len(served) >= capacity and refused, f"{len(served)} served, {len(refused)} refused"
+    for _, err, retry_after in refused:
+        assert err["error"]["code"] == "rate_limit_exceeded" and retry_after is not None and int(retry_after) >= 1
+    assert all(body["usage"]["completion_tokens"] == 64 for _, body, _ in served)
+    guarded.assert_pages_free()
+    assert http(f"{guarded.url}/v1/completions", {"prompt": "hi", "max_tokens": 1}, GOOD)[0] == 200
+
+
+def test_scheduler_actor_of_guarded_app_is_its_own(guarded: LiveServer, live: LiveServer) -> None:
+    assert ray.get_actor(guarded.actor_name, namespace=ACTOR_NAMESPACE) is not None
+    assert guarded.actor_name != live.actor_name

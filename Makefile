@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 # `cuda` extra (FlashInfer) only where a CUDA device answers.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test lint serve bench bench-offline peer-vllm clean
+.PHONY: install test lint serve bench bench-offline peer-vllm clean e2e
 
 install: $(STAMP)
 
@@ -42,6 +42,11 @@ peer-vllm:
 # flotilla vs HF static batching vs vLLM-CPU on one workload, medians of 3 runs.
 bench-offline: $(STAMP)
 	$(BIN)/python scripts/bench_offline_compare.py --runs 3 --models tiny small
+
+# ray up -> serve deploy -> a completion through the SDK -> serve status -> ray down, with
+# ray_configs/cluster.yaml on a node reached over SSH on 127.0.0.1 (root; see scripts/e2e/run.sh).
+e2e: $(STAMP)
+	TORCH="$(TORCH)" bash scripts/e2e/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -4,14 +4,32 @@
     applications:
       - name: flotilla
         import_path: apps.builder:build_app
-        args: {model: tiny, max_model_len: 2048, num_replicas: 1}
+        args:
+          model: tiny
+          max_model_len: 2048
+          autoscaling: {min_replicas: 1, max_replicas: 4, slo_ttft_ms: 2000, slo_tpot_ms: 100,
+                        target_queue_per_replica: 4, upscale_delay_s: 10, downscale_delay_s: 60}
+          request_router: prefix
+          graceful_shutdown_timeout_s: 120
 
 ``args`` holds ``model``, any other ``EngineConfig`` field (``max_model_len``,
-``max_num_seqs``, ...), and the application options ``num_replicas`` (default
-1), ``served_model_name`` (default: ``model``), ``scheduler_options`` (Ray
-actor options of each replica's SchedulerActor, e.g. ``{"num_gpus": 1}``) and
-``max_body_bytes``, ``api_keys`` (a key or a list; default ``$FLOTILLA_API_KEY``) and
-``max_queued_requests`` (per replica beyond ``max_num_seqs``; more get 429). Unknown keys are refused, naming the key.
+``max_num_seqs``, ...), and the application options:
+
+- ``num_replicas`` (default 1; ignored when ``autoscaling`` is given),
+  ``served_model_name`` (default: ``model``), ``scheduler_options`` (Ray actor
+  options of each replica's SchedulerActor, e.g. ``{"num_gpus": 1}``),
+  ``max_body_bytes``, ``api_keys`` (a key or a list; default ``$FLOTILLA_API_KEY``),
+  ``max_queued_requests`` (per replica beyond ``max_num_seqs``; more get 429);
+- ``autoscaling``: a dict, see ``cluster.autoscaling.serve_autoscaling_config``
+  (``policy: flotilla|default``, min/max replicas, SLOs, queue target, delays);
+- ``request_router``: ``prefix`` | ``default`` or a dict of the prefix router's
+  options (see ``cluster.request_router.router_config``);
+- ``graceful_shutdown_timeout_s``: how long a replica being removed may take
+  to finish its in-flight requests (it takes no new ones meanwhile; default 120);
+- ``replica_options``: Ray actor options of each ``LLMServer`` replica (e.g.
+  ``{"num_cpus": 0.1}``); ``max_ongoing_requests``.
+
+Unknown keys are refused, naming the key.
 """
 
 from __future__ import annotations
@@ -23,12 +41,20 @@ from ray.serve import Application, Deployment
 
 from actors.engine_config import EngineConfig
 from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
+from cluster.autoscaling import serve_autoscaling_config
+from cluster.request_router import router_config
 from scheduling.errors import InvalidParameterError
 
+# Passed to ``LLMServer``'s constructor.
 APP_OPTIONS = ("num_replicas", "served_model_name", "scheduler_options", "max_body_bytes",
                "api_keys", "max_queued_requests")
+# Deployment options (they shape the Serve deployment, not the replica object).
+DEPLOYMENT_OPTIONS = ("autoscaling", "request_router", "graceful_shutdown_timeout_s",
+                      "replica_options", "max_ongoing_requests")
 # Requests beyond a replica's capacity it must still see, to refuse them with 429.
 ADMISSION_HEADROOM = 64
+# Long enough for a replica being removed to finish streaming its longest request.
+DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 120.0
 
 
 def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -39,24 +65,49 @@ def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     for key, value in args.items():
         if key in engine_fields:
             engine[key] = value
-        elif key in APP_OPTIONS:
+        elif key in APP_OPTIONS or key in DEPLOYMENT_OPTIONS:
             options[key] = value
         else:
-            known = sorted(engine_fields | set(APP_OPTIONS))
+            known = sorted(engine_fields | set(APP_OPTIONS) | set(DEPLOYMENT_OPTIONS))
             raise InvalidParameterError(key, f"unknown application argument; known: {known}")
     return engine, options
+
+
+def deployment_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``Deployment.options`` keywords; pops the deployment options (and ``num_replicas``) from ``options``."""
+    num_replicas = int(options.pop("num_replicas", 1))
+    if num_replicas < 1:
+        raise InvalidParameterError("num_replicas", f"must be >= 1, got {num_replicas}")
+    grace = float(options.pop("graceful_shutdown_timeout_s", DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S))
+    if not grace > 0:
+        raise InvalidParameterError("graceful_shutdown_timeout_s", f"must be > 0, got {grace}")
+    out: dict[str, Any] = {"graceful_shutdown_timeout_s": grace}
+    autoscaling = options.pop("autoscaling", None)
+    if autoscaling is not None:
+        if not isinstance(autoscaling, dict):
+            raise InvalidParameterError("autoscaling", "must be a mapping of autoscaling options")
+        out["autoscaling_config"] = serve_autoscaling_config(autoscaling)
+    else:
+        out["num_replicas"] = num_replicas
+    router = router_config(options.pop("request_router", None))
+    if router is not None:
+        out["request_router_config"] = router
+    replica_options = options.pop("replica_options", None)
+    if replica_options is not None:
+        out["ray_actor_options"] = dict(replica_options)
+    if "max_ongoing_requests" in options:
+        out["max_ongoing_requests"] = int(options.pop("max_ongoing_requests"))
+    return out
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """The OpenAI-compatible application for ``args`` (see the module docstring)."""
     engine, options = split_args(dict(args))
     config = EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
-    num_replicas = int(options.pop("num_replicas", 1))
-    if num_replicas < 1:
-        raise InvalidParameterError("num_replicas", f"must be >= 1, got {num_replicas}")
     deployment = cast(Deployment, LLMServer)  # @serve.deployment made the class a Deployment
+    deploy = deployment_options(options)
     # Let a replica see every request it may hold, so it answers the excess with 429 itself
     # rather than Serve queueing it without bound in front of the replica.
     queued = int(options.get("max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS))
-    max_ongoing = config.max_num_seqs + queued + ADMISSION_HEADROOM
-    return deployment.options(num_replicas=num_replicas, max_ongoing_requests=max_ongoing).bind(engine, **options)
+    deploy.setdefault("max_ongoing_requests", config.max_num_seqs + queued + ADMISSION_HEADROOM)
+    return deployment.options(**deploy).bind(engine, **options)

@@ -160,7 +160,7 @@ class LLMServer(ReplicaStats):
             raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
         replica_id = f"replica-{uuid.uuid4().hex[:12]}"
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
-        self._fanout = StreamFanout(self._actor, replica_id, observer=self.metrics.observe)
+        self._fanout = StreamFanout(self._actor, replica_id, observer=self.latency_observer(self.metrics.observe))
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 
     async def check_health(self) -> None:

@@ -12,7 +12,8 @@ is testable without Ray. Rules, with ``n`` replicas and per-replica loads:
 - A condition must hold for ``upscale_delay_s`` / ``downscale_delay_s``
   before it acts; after acting its timer restarts, so sustained pressure (or
   idleness) moves one step per delay. Up steps are proportional,
-  ``ceil(n * pressure)``, capped by ``max_step_up``; down steps remove one.
+  ``ceil(n * pressure)``, capped by ``max_step_up``; down steps remove one
+  replica, or go straight to ``min_replicas`` when nothing runs anywhere.
 - The result is always within ``[min_replicas, max_replicas]``.
 
 Serve integration (checked against the installed ray 2.60.0 source,
@@ -32,6 +33,7 @@ ones that should count.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,6 +43,8 @@ from scheduling.errors import InvalidParameterError
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
+
+logger = logging.getLogger("ray.serve")
 
 # Keys of the custom metrics a replica reports through ``record_autoscaling_stats``.
 METRIC_NUM_WAITING = "flotilla_num_waiting"
@@ -197,8 +201,10 @@ def decide(
             return Decision(n, waiting, f"idle for {now - down_since:.1f}s, waiting")
         if n <= lo:
             return Decision(n, waiting, f"idle but at min_replicas {lo}")
-        new_state = PolicyState(None, now, n - 1, now)
-        return Decision(n - 1, new_state, f"scale down {n} -> {n - 1}: idle with headroom")
+        # Nothing running anywhere: no replica above the minimum is doing any work.
+        target = lo if all(load.num_running <= 0 for load in loads) else n - 1
+        new_state = PolicyState(None, now, target, now)
+        return Decision(target, new_state, f"scale down {n} -> {target}: idle with headroom")
     # Dead band (or no evidence): hold and forget both timers.
     why = "no replica reported load" if not loads else f"pressure {p:.2f} within band"
     return Decision(n, PolicyState(None, None, n, state.last_change_at), f"hold: {why}")
@@ -280,14 +286,76 @@ class SLOAutoscalingPolicy:
         hi = max(1, ctx.capacity_adjusted_max_replicas)
         lo = min(ctx.capacity_adjusted_min_replicas, hi)
         config = AutoscalingConfig(min_replicas=lo, max_replicas=hi, **self._kwargs)
-        if ctx.current_num_replicas != ctx.target_num_replicas:
-            # A change is still being applied: judge the new fleet only once it
-            # runs, and make the condition hold a full delay from then on.
-            held = PolicyState(None, None, ctx.target_num_replicas, state.last_change_at)
-            decision = Decision(ctx.target_num_replicas, held, "hold: scaling in progress")
+        current, target = ctx.current_num_replicas, ctx.target_num_replicas
+        loads = loads_from_metrics(ctx.aggregated_metrics)
+        if current == target:
+            decision = decide(config, current, loads, now, state)
+        elif target > current:
+            # Replicas are starting (that takes a while). Pressure measured on the
+            # running ones may already ask for more than the target: raise it
+            # now, by the same rule, rather than after they all run.
+            # And if the load is gone (idle for the downscale delay) before they
+            # run, stop waiting for them: back to what the running ones need.
+            further = decide(config, current, loads, now, state)
+            down_since = further.state.down_since
+            if further.desired_replicas > target:
+                decision = further._replace(reason=f"{further.reason} (while {target - current} start)")
+            elif down_since is not None and now - down_since + _DELAY_EPS_S >= config.downscale_delay_s:
+                cancel = min(target, max(lo, further.desired_replicas))
+                decision = Decision(cancel, PolicyState(None, now, cancel, now),
+                                    f"scale down {target} -> {cancel} before starting: idle with headroom")
+            else:
+                held = PolicyState(further.state.up_since, down_since, target, state.last_change_at)
+                decision = Decision(target, held, "hold: scaling up in progress")
         else:
-            loads = loads_from_metrics(ctx.aggregated_metrics)
-            decision = decide(config, ctx.current_num_replicas, loads, now, state)
+            # Replicas are draining: judge the smaller fleet once it is alone,
+            # a full delay from then on.
+            held = PolicyState(None, None, target, state.last_change_at)
+            decision = Decision(target, held, "hold: scaling down in progress")
+        if decision.desired_replicas != ctx.target_num_replicas:  # a new decision, not a tick
+            logger.info("flotilla autoscaling: %s", decision.reason)
         self.last_reason = decision.reason
         policy_state[STATE_KEY] = decision.state.to_dict()
         return decision.desired_replicas, policy_state
+
+
+POLICY_PATH = "cluster.autoscaling:SLOAutoscalingPolicy"
+# Serve-side knobs: replicas push metrics every ``metrics_interval_s`` (Serve's
+# default, 10 s, is too slow to meet a 30 s reaction target) and Serve averages
+# them over ``look_back_period_s``.
+_SERVE_DEFAULTS = {"metrics_interval_s": 1.0, "look_back_period_s": 4.0}
+_SERVE_KEYS = ("min_replicas", "max_replicas", "initial_replicas", "metrics_interval_s",
+               "look_back_period_s")
+
+
+def serve_autoscaling_config(options: dict[str, Any]) -> dict[str, Any]:
+    """A deployment's ``autoscaling_config`` from the app's ``autoscaling`` argument.
+
+    ``policy: flotilla`` (default): this module's policy, with the other keys
+    (``AutoscalingConfig`` fields: SLOs, ``target_queue_per_replica``, delays,
+    ``headroom``, ``max_step_up``) as its ``policy_kwargs``, and Serve's own
+    delays zeroed. ``policy: default``: Serve's request-based policy with
+    ``target_ongoing_requests`` (default 2) and the same bounds and delays, for
+    side-by-side runs. Invalid values raise ``InvalidParameterError`` here.
+    """
+    opts = dict(options)
+    kind = opts.pop("policy", "flotilla")
+    serve: dict[str, Any] = {**_SERVE_DEFAULTS, **{k: opts.pop(k) for k in _SERVE_KEYS if k in opts}}
+    lo, hi = int(serve.get("min_replicas", 1)), int(serve.get("max_replicas", 1))
+    serve["min_replicas"], serve["max_replicas"] = lo, hi
+    if kind == "default":
+        own: dict[str, Any] = {k: opts.pop(k) for k in ("upscale_delay_s", "downscale_delay_s") if k in opts}
+        target = opts.pop("target_ongoing_requests", 2.0)
+        if opts:
+            raise InvalidParameterError(next(iter(opts)), "not an option of the default policy")
+        AutoscalingConfig(min_replicas=lo, max_replicas=hi, **own)  # bounds and delays, checked alike
+        return {**serve, **own, "target_ongoing_requests": float(target)}
+    if kind != "flotilla":
+        raise InvalidParameterError("policy", f"must be 'flotilla' or 'default', got {kind!r}")
+    known = {f.name for f in fields(AutoscalingConfig)}
+    for key in opts:
+        if key not in known:
+            raise InvalidParameterError(key, f"unknown autoscaling option; known: {sorted(known)}")
+    AutoscalingConfig(min_replicas=lo, max_replicas=hi, **opts)
+    return {**serve, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
+            "policy": {"policy_function": POLICY_PATH, "policy_kwargs": opts}}

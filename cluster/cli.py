@@ -7,6 +7,8 @@
                                       in-process engine vs SchedulerActor on Ray (JSON)
   flotilla bench serve --base-url URL [--config run.yaml]
                                       load generator for any OpenAI-compatible server (JSON, PNG)
+  flotilla bench autoscale [--policy flotilla|default]
+                                      load profile against an elastic app (JSON, PNG)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from cluster.bench_autoscale_cli import add_bench_autoscale_parser
 from cluster.bench_serve_cli import add_bench_serve_parser
 from cluster.plan_cli import add_plan_parser
 from cluster.serve_cli import add_serve_parser
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     add_bench_serve_parser(bench_sub)
+    add_bench_autoscale_parser(bench_sub)
     sched = bench_sub.add_parser("scheduler", help="schedule()+update() and match_prefix cost")
     sched.add_argument("--sizes", default="64,256,1024", help="running decodes to measure, comma-separated")
     sched.add_argument("--steps", type=int, default=200, help="timed steps per size")

@@ -204,6 +204,16 @@ class PrefixRouterCore:
 
     def route(self, prompt_text: str, loads: Mapping[str, float], now: float) -> str:
         """The replica for ``prompt_text``; the prompt is recorded under it."""
+        best = self.choose(prompt_text, loads, now)
+        self.record(best, prompt_text, now)
+        return best
+
+    def choose(self, prompt_text: str, loads: Mapping[str, float], now: float) -> str:
+        """The replica ``route`` would pick, without recording the prompt.
+
+        For callers that learn only later where the request really went (Serve
+        may try another replica if the first refuses): they ``record`` then.
+        """
         candidates = [r for r in loads if r not in self._removed]
         if not candidates:
             raise NoReplicaError("no live replica to route to")
@@ -212,7 +222,6 @@ class PrefixRouterCore:
         best = max(candidates, key=lambda r: (matches[r], -loads[r]))
         if matches[best] < self.min_match_chars or loads[best] - least > self.imbalance_threshold:
             best = self.power_of_two(candidates, loads)
-        self.record(best, prompt_text, now)
         return best
 
     def match(self, prompt_text: str, replicas: list[str], now: float) -> dict[str, int]:
@@ -249,6 +258,15 @@ class PrefixRouterCore:
         self._removed[replica_id] = None
         while len(self._removed) > _MAX_TOMBSTONES:
             self._removed.popitem(last=False)
+
+    def forget_missing(self, live_ids: set[str]) -> None:
+        """Drop the tree of every replica not in ``live_ids`` (it left the fleet, or is draining).
+
+        Unlike ``remove_replica`` this leaves no tombstone: a replica that comes
+        back (briefly unreachable, not removed) is routed to again, with a fresh tree.
+        """
+        for replica_id in [r for r in self._trees if r not in live_ids]:
+            del self._trees[replica_id]
 
     def num_chars(self, replica_id: str) -> int:
         """Characters of prompt text currently held for ``replica_id`` (0 if none)."""

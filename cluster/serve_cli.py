@@ -2,6 +2,7 @@
 
     flotilla serve --model tiny                      # http://127.0.0.1:8000/v1
     flotilla serve --model /path/to/hf-dir --port 9000 --replicas 2 --max-model-len 4096
+    flotilla serve --model tiny --max-replicas 4 --slo-ttft-ms 1500 --router prefix   # elastic
 
 Starts a local Ray cluster in this process unless Ray is already initialised
 or ``RAY_ADDRESS`` names a cluster to join (never a stale one found in
@@ -40,8 +41,59 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="shards per replica (implies the Ray executor when > 1)")
     sp.add_argument("--num-gpus", type=float, default=0.0,
                     help="GPUs for each replica's scheduler actor (the in-process executor)")
+    sp.add_argument("--api-key", action="append", default=None, dest="api_keys", metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' (repeatable; default: $FLOTILLA_API_KEY)")
+    sp.add_argument("--max-queued-requests", type=int, default=None,
+                    help="per replica, beyond --max-num-seqs; more are answered 429 (default 256)")
+    add_elastic_arguments(sp)
     sp.set_defaults(func=_serve)
     return sp
+
+
+def add_elastic_arguments(sp: argparse.ArgumentParser) -> None:
+    """Autoscaling, SLO, routing and drain flags (shared with ``bench autoscale``)."""
+    g = sp.add_argument_group("elasticity (autoscaling is on when --max-replicas is given)")
+    g.add_argument("--min-replicas", type=int, default=1)
+    g.add_argument("--max-replicas", type=int, default=None)
+    g.add_argument("--autoscaling-policy", choices=("flotilla", "default"), default="flotilla",
+                   help="flotilla: queue + SLO policy; default: Ray Serve's target_ongoing_requests")
+    g.add_argument("--target-queue-per-replica", type=float, default=None)
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument("--upscale-delay-s", type=float, default=None)
+    g.add_argument("--downscale-delay-s", type=float, default=None)
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="Ray Serve's default policy only")
+    g.add_argument("--router", choices=("prefix", "default"), default="default",
+                   help="prefix: prefix-aware routing; default: Ray Serve's power of two choices")
+    g.add_argument("--graceful-shutdown-timeout-s", type=float, default=None,
+                   help="how long a replica being removed may take to finish its requests")
+    g.add_argument("--replica-num-cpus", type=float, default=None,
+                   help="CPUs reserved for each LLMServer replica actor")
+    g.add_argument("--scheduler-num-cpus", type=float, default=None,
+                   help="CPUs reserved for each replica's scheduler actor")
+
+
+def elastic_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``build_app`` arguments for the elasticity flags (empty when none is set)."""
+    out: dict[str, Any] = {}
+    if args.max_replicas is not None:
+        auto: dict[str, Any] = {"policy": args.autoscaling_policy, "min_replicas": args.min_replicas,
+                                "max_replicas": args.max_replicas}
+        names = ["upscale_delay_s", "downscale_delay_s"]
+        names += (["target_ongoing_requests"] if args.autoscaling_policy == "default"
+                  else ["target_queue_per_replica", "slo_ttft_ms", "slo_tpot_ms"])
+        for name in names:
+            if getattr(args, name) is not None:
+                auto[name] = getattr(args, name)
+        out["autoscaling"] = auto
+    if args.router != "default":
+        out["request_router"] = args.router
+    if args.graceful_shutdown_timeout_s is not None:
+        out["graceful_shutdown_timeout_s"] = args.graceful_shutdown_timeout_s
+    if args.replica_num_cpus is not None:
+        out["replica_options"] = {"num_cpus": args.replica_num_cpus}
+    return out
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,8 +108,18 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         out["executor"] = "ray"
     if args.served_model_name:
         out["served_model_name"] = args.served_model_name
+    if args.api_keys:
+        out["api_keys"] = list(args.api_keys)
+    if args.max_queued_requests is not None:
+        out["max_queued_requests"] = args.max_queued_requests
+    scheduler: dict[str, Any] = {}
     if args.num_gpus:
-        out["scheduler_options"] = {"num_gpus": args.num_gpus}
+        scheduler["num_gpus"] = args.num_gpus
+    if args.scheduler_num_cpus is not None:
+        scheduler["num_cpus"] = args.scheduler_num_cpus
+    if scheduler:
+        out["scheduler_options"] = scheduler
+    out.update(elastic_args(args))
     return out
 
 

@@ -258,8 +258,12 @@ def test_adapter_keeps_state_between_ticks_and_holds_during_transitions() -> Non
     n, state = policy(ctx(2, 2, hot, 10.0, state))  # type: ignore[arg-type]
     assert n == 6 and policy.last_reason.startswith("scale up")
     n, state = policy(ctx(3, 6, hot, 15.0, state))  # type: ignore[arg-type]
-    assert n == 6 and state[STATE_KEY]["up_since"] is None
-    n, _ = policy(ctx(6, 6, hot, 20.0, state, hi=4))  # type: ignore[arg-type]
+    assert n == 6 and policy.last_reason == "hold: scaling up in progress"
+    n, state = policy(ctx(3, 6, hot, 20.0, state))  # pressure 3 on 3 running: 9, capped at +4 = 7
+    assert n == 7 and "while 3 start" in policy.last_reason
+    n, state = policy(ctx(7, 4, hot, 21.0, state))  # type: ignore[arg-type]
+    assert n == 4 and state[STATE_KEY]["up_since"] is None  # draining: hold, timers reset
+    n, _ = policy(ctx(6, 6, hot, 30.0, state, hi=4))  # type: ignore[arg-type]
     assert n == 4  # capacity-adjusted bounds win
 
 

@@ -170,3 +170,15 @@ def test_seeded_routing_is_reproducible() -> None:
 def test_invalid_settings_are_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         PrefixRouterCore(**kwargs)  # type: ignore[arg-type]
+
+
+def test_choose_does_not_record_and_forget_missing_leaves_no_tombstone() -> None:
+    core = PrefixRouterCore(min_match_chars=8, seed=0)
+    prompt = "a long shared system prompt. Q?"
+    picked = core.choose(prompt, EVEN, 0.0)
+    assert picked in EVEN and core.num_chars(picked) == 0  # choose alone remembers nothing
+    core.record("b", prompt, 0.0)
+    assert core.choose(prompt, EVEN, 1.0) == "b"
+    core.forget_missing({"a", "c", "d"})
+    assert core.num_chars("b") == 0
+    assert core.route(prompt, {"b": 0.0}, 2.0) == "b"  # back in the fleet: a candidate again

@@ -1,0 +1,256 @@
+"""``PrefixAwareRequestRouter``: Ray Serve 2.60's RequestRouter with prefix affinity.
+
+Serve runs one router per deployment handle; for HTTP traffic that is inside
+the proxy actor. Each ``choose_replicas`` call ranks replicas for one pending
+request: the ``PrefixRouterCore`` pick first (longest approximate prefix match,
+unless its queue exceeds the least-loaded replica's by the imbalance threshold,
+then power of two choices), every other replica next, shortest queue first, so
+Serve still has somewhere to go if the pick refuses. The prompt is recorded
+under the pick when it is chosen.
+
+What the router can see (checked against ray 2.60.0: ``proxy.py``,
+``proxy_request_response.py``, ``common.StreamingHTTPRequest``): for an HTTP
+ingress deployment ``pending_request.args[0]`` is the pickled
+``StreamingHTTPRequest``, which carries the ASGI *scope* (path, headers) and
+not the body: the replica pulls the body from the proxy after routing. So:
+
+- ``X-Flotilla-Prefix: <text>``: the client names the shared part of its
+  prompt (a system prompt, a document, or any stable label of it); matched as
+  text, longest prefix wins. ``bench autoscale --mode routing`` sends it.
+- ``X-Flotilla-Session: <id>`` (what the SDK sends): the whole session sticks
+  to one replica, within the same load-balance bound.
+- A ``DeploymentHandle`` caller that passes the request body (a dict with
+  ``prompt`` or ``messages``, or a string) is routed on the prompt text itself.
+- Anything else: power of two choices, like Serve's default router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.routing import PrefixRouterCore
+
+PREFIX_HEADER = b"x-flotilla-prefix"
+SESSION_HEADER = b"x-flotilla-session"
+# The key ``ReplicaStats.record_routing_stats`` reports requests open on a replica under.
+ROUTING_NUM_OPEN = "num_open"
+ROUTER_CLASS = "cluster.request_router:PrefixAwareRequestRouter"
+_SESSION_KEY_CHARS = 64  # sha256 hex: sessions match whole or not at all
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingKey:
+    """What a request is routed on: prompt text (prefix match) or a session id (exact)."""
+
+    kind: Literal["prompt", "session"]
+    text: str
+
+
+def _prompt_text(body: Mapping[str, Any]) -> str | None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = [f"{m.get('role', '')}:{m.get('content', '')}" for m in messages if isinstance(m, Mapping)]
+        return "\n".join(parts) if parts else None
+    return None
+
+
+def _scope(arg: Any) -> Mapping[str, Any] | None:
+    """The ASGI scope of a proxied HTTP request (pickled or not), else None."""
+    if isinstance(arg, bytes | bytearray):
+        try:
+            arg = pickle.loads(arg)  # noqa: S301 - Serve's own proxy-to-replica message
+        except Exception:
+            return None
+    scope = getattr(arg, "asgi_scope", None)
+    return scope if isinstance(scope, Mapping) else None
+
+
+def key_from_headers(headers: Sequence[tuple[bytes, bytes]]) -> RoutingKey | None:
+    """The routing key named by ``X-Flotilla-Prefix`` (preferred) or ``X-Flotilla-Session``."""
+    found = {name.lower(): value for name, value in headers if name.lower() in (PREFIX_HEADER, SESSION_HEADER)}
+    if found.get(PREFIX_HEADER):
+        return RoutingKey("prompt", found[PREFIX_HEADER].decode("utf-8", errors="replace"))
+    if found.get(SESSION_HEADER):
+        return RoutingKey("session", hashlib.sha256(found[SESSION_HEADER]).hexdigest())
+    return None
+
+
+def routing_key(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutingKey | None:
+    """The key of a pending request's arguments (see the module docstring), or None."""
+    first = args[0] if args else kwargs.get("request", kwargs.get("body"))
+    if isinstance(first, str):
+        return RoutingKey("prompt", first)
+    if isinstance(first, Mapping):
+        text = _prompt_text(first)
+        return RoutingKey("prompt", text) if text else None
+    scope = _scope(first)
+    if scope is None:
+        return None
+    return key_from_headers(scope.get("headers") or [])
+
+
+class PrefixRouting:
+    """The router's decisions on plain replica ids and loads (no Serve objects: unit-testable).
+
+    Two cores: prompts match by longest prefix (at least ``min_match_chars``);
+    sessions match only whole (a hashed id).
+    """
+
+    def __init__(self, *, imbalance_threshold: float = 8.0, ttl_s: float = 600.0,
+                 max_chars_per_replica: int = 1_000_000, min_match_chars: int = 64,
+                 seed: int | None = None) -> None:
+        self.prompts = PrefixRouterCore(
+            max_chars_per_replica=max_chars_per_replica, ttl_s=ttl_s,
+            imbalance_threshold=imbalance_threshold, min_match_chars=min_match_chars, seed=seed)
+        self.sessions = PrefixRouterCore(
+            max_chars_per_replica=max_chars_per_replica, ttl_s=ttl_s,
+            imbalance_threshold=imbalance_threshold, min_match_chars=_SESSION_KEY_CHARS, seed=seed)
+
+    def rank(self, key: RoutingKey | None, loads: Mapping[str, float], now: float) -> list[list[str]]:
+        """``[[pick], [the others, shortest queue first]]`` (the second rank only if non-empty)."""
+        if not loads:
+            return []
+        ids = list(loads)
+        if key is None:
+            first = self.prompts.power_of_two(ids, loads)
+        else:
+            first = self._core(key).choose(key.text, loads, now)
+        rest = sorted((r for r in ids if r != first), key=lambda r: loads[r])
+        return [[first], rest] if rest else [[first]]
+
+    def record(self, key: RoutingKey | None, replica_id: str, now: float) -> None:
+        """Remember that ``key`` went to ``replica_id`` (no-op for unkeyed requests)."""
+        if key is not None:
+            self._core(key).record(replica_id, key.text, now)
+
+    def forget_missing(self, live_ids: set[str]) -> None:
+        """Drop what is known of replicas that left the fleet (removed or draining)."""
+        self.prompts.forget_missing(live_ids)
+        self.sessions.forget_missing(live_ids)
+
+    def _core(self, key: RoutingKey) -> PrefixRouterCore:
+        return self.prompts if key.kind == "prompt" else self.sessions
+
+
+def replica_key(replica_id: ReplicaID) -> str:
+    """The core's name for a Serve replica."""
+    return str(replica_id.unique_id)
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    """Serve's hook around ``PrefixRouting``; configure through ``request_router_kwargs``.
+
+    Deployment option::
+
+        request_router_config=RequestRouterConfig(
+            request_router_class="cluster.request_router:PrefixAwareRequestRouter",
+            request_router_kwargs={"imbalance_threshold": 8, "ttl_s": 600},
+            request_routing_stats_period_s=2)
+    """
+
+    _routing: PrefixRouting
+    # Requests this router sent that Serve has not reported completed, per replica:
+    # exact for this router's own traffic, with no reporting lag.
+    _num_inflight: dict[str, int]
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Called by Serve with ``request_router_kwargs`` (``PrefixRouting``'s keywords)."""
+        self._routing = PrefixRouting(**kwargs)
+        self._num_inflight = {}
+
+    def _state(self) -> PrefixRouting:
+        if not hasattr(self, "_routing"):  # Serve calls initialize_state; a bare construction may not
+            self.initialize_state()
+        return self._routing
+
+    def replica_load(self, replica: RunningReplica) -> float:
+        """Requests on ``replica``: what this router has in flight there (or Serve's cached
+        queue length, if larger); for a replica it never used, its last routing stats."""
+        self._state()
+        rid = replica_key(replica.replica_id)
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        if rid in self._num_inflight or cached is not None:
+            return float(max(self._num_inflight.get(rid, 0), cached or 0))
+        stats = replica.routing_stats or {}
+        return float(stats.get(ROUTING_NUM_OPEN, 0.0))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """Ranks for one request: the affinity (or p2c) pick, then everyone else."""
+        by_id = {replica_key(r.replica_id): r for r in candidate_replicas}
+        loads = {rid: self.replica_load(r) for rid, r in by_id.items()}
+        key = routing_key(pending_request.args, pending_request.kwargs) if pending_request else None
+        now = time.monotonic()
+        ranks = self._state().rank(key, loads, now)
+        if ranks:
+            # Recorded at choice time: Serve 2.60 calls on_request_routed only on its
+            # strict-queue path, and the first rank is refused only when a replica is
+            # full (then the tree is briefly wrong about one prompt: harmless).
+            self._state().record(key, ranks[0][0], now)
+        if pending_request is not None:
+            # Every candidate is ranked: if all refuse, back off before trying again.
+            pending_request.routing_context.should_backoff = True
+        return [[by_id[rid] for rid in rank] for rank in ranks]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """Serve sent a request to ``replica_id``: it counts as load until completed."""
+        super().on_send_request(replica_id)
+        self._state()
+        rid = replica_key(replica_id)
+        self._num_inflight[rid] = self._num_inflight.get(rid, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """A request ended on ``replica_id`` (any outcome): it no longer counts as load."""
+        self._state()
+        rid = replica_key(replica_id)
+        if self._num_inflight.get(rid, 0) > 0:
+            self._num_inflight[rid] -= 1
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's replica set changed: forget replicas that left (a draining one included)."""
+        super().update_replicas(replicas)
+        live = {replica_key(r.replica_id) for r in replicas}
+        self._state().forget_missing(live)
+        for rid in [r for r in self._num_inflight if r not in live]:
+            del self._num_inflight[rid]
+
+
+def router_config(options: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
+    """``request_router_config`` for a deployment from the app's ``request_router`` argument.
+
+    ``"prefix"`` (or a dict ``{"kind": "prefix", <PrefixRouting keywords>,
+    "stats_period_s": 2}``) selects this router; ``"default"`` / None keeps
+    Serve's power of two choices. Invalid keywords fail here, at build time.
+    """
+    from scheduling.errors import InvalidParameterError
+
+    if options is None or options == "default":
+        return None
+    opts: dict[str, Any] = {"kind": options} if isinstance(options, str) else dict(options)
+    kind = opts.pop("kind", "prefix")
+    if kind == "default":
+        return None
+    if kind != "prefix":
+        raise InvalidParameterError("request_router", f"must be 'prefix' or 'default', got {kind!r}")
+    period = float(opts.pop("stats_period_s", 2.0))
+    try:
+        PrefixRouting(**opts)
+    except (TypeError, ValueError) as exc:
+        raise InvalidParameterError("request_router", str(exc)) from exc
+    return {"request_router_class": ROUTER_CLASS, "request_router_kwargs": opts,
+            "request_routing_stats_period_s": period}

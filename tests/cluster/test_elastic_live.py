@@ -1,0 +1,156 @@
+"""Elasticity on a real local Ray cluster: prefix affinity, drain on scale-down, autoscaling.
+
+One Ray cluster and one app for the module; the tests run in order and reshape
+the app with ``serve.run`` (replica count and autoscaling are lightweight
+updates: the replicas that stay keep running). Replicas are small (a tenth of
+a CPU, two sequences each) so replica capacity, not the machine, runs out.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray import serve
+
+from apps.builder import build_app
+from tests.serve_harness import ENGINE, LiveServer, http, live_server
+
+SMALL: dict[str, Any] = {"max_num_seqs": 2, "scheduler_options": {"num_cpus": 0.1},
+                         "replica_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60}
+ROUTER = {"imbalance_threshold": 100}  # affinity always wins here: the assertion is exact
+DEADLINE_S = 90.0
+DOCS = [f"[doc {g}] " + f"chapter {g} of the harbour log; " * 24 for g in range(2)]
+
+
+def app_args(model_dir: Path, **extra: Any) -> dict[str, Any]:
+    return {"model": str(model_dir), "served_model_name": "tiny", **ENGINE, **SMALL,
+            "request_router": ROUTER, **extra}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    with live_server(tiny_model_dir, **app_args(tiny_model_dir, num_replicas=3)) as live:
+        wait_replicas(3)
+        yield live
+
+
+def replica_states() -> dict[str, int]:
+    app = serve.status().applications["flotilla"]
+    out: dict[str, int] = {}
+    for deployment in app.deployments.values():
+        for state, n in deployment.replica_states.items():
+            out[str(state).rsplit(".", 1)[-1]] = out.get(str(state).rsplit(".", 1)[-1], 0) + int(n)
+    return out
+
+
+def wait_replicas(n: int, deadline_s: float = DEADLINE_S) -> None:
+    """Until exactly ``n`` replicas run and none is starting or stopping (one status call per loop)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        states = replica_states()
+        if states.get("RUNNING", 0) == n and sum(states.values()) == n:
+            return
+        assert time.monotonic() < end, f"never reached {n} replicas: {states}"
+        time.sleep(0.5)  # polling Serve's controller, which has no change notification
+
+
+class Stream(threading.Thread):
+    """One streaming completion; records finish reason, completion tokens (from the usage chunk) and
+    errors; ``started`` is set on the first chunk with text."""
+
+    def __init__(self, url: str, prompt: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.started = threading.Event()
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        body = json.dumps({"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens,
+                           "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = str(chunk["error"])
+                    if chunk.get("usage"):
+                        self.num_tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices", []):
+                        if choice.get("text"):
+                            self.started.set()
+                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.started.set()
+
+
+def completion(url: str, prompt: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    status, body = http(f"{url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2},
+                        headers)
+    assert status == 200, body
+    return body
+
+
+def test_shared_prefix_requests_stick_to_one_replica(server: LiveServer) -> None:
+    """With 3 replicas, every repeat of a document hits the prefix cache of the replica that has it."""
+    for doc in DOCS:
+        first = completion(server.url, doc + "Q0", {"X-Flotilla-Prefix": doc})
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for q in range(1, 5):
+            usage = completion(server.url, doc + f"Q{q}", {"X-Flotilla-Prefix": doc})["usage"]
+            # The whole shared document (page-aligned, so up to one page short) was cached.
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= len(doc) - 16, usage
+
+
+def test_scale_down_drains_in_flight_streams(server: LiveServer, tiny_model_dir: Path) -> None:
+    """Removing two of three replicas while six long streams run on them loses none."""
+    streams = [Stream(server.url, f"stream {i}: tell me about the tides", 480) for i in range(6)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.started.wait(DEADLINE_S)
+    serve.run(build_app(app_args(tiny_model_dir, num_replicas=1)), name="flotilla", route_prefix="/")
+    for s in streams:
+        s.join(DEADLINE_S)
+    assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [(None, "length", 480)] * 6
+    wait_replicas(1)
+    completion(server.url, "after the scale-down")
+
+
+def test_autoscaling_up_under_a_burst_and_back_down(server: LiveServer, tiny_model_dir: Path) -> None:
+    """Queue pressure adds replicas in proportion (1 -> 3 in one decision); idleness returns
+    to the minimum; no request fails on the way up or down."""
+    autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica": 1,
+                   "upscale_delay_s": 0, "downscale_delay_s": 5, "look_back_period_s": 2}
+    serve.run(build_app(app_args(tiny_model_dir, autoscaling=autoscaling)), name="flotilla", route_prefix="/")
+    wait_replicas(1)
+    streams = [Stream(server.url, f"burst {i}", 300) for i in range(8)]
+    for s in streams:
+        s.start()
+    end = time.monotonic() + DEADLINE_S
+    # The burst queues 6 behind a batch of 2 (pressure 6): the target goes straight to the
+    # maximum, so 3 replicas exist (running or starting) at once, not one more at a time.
+    while sum(replica_states().values()) < 3:
+        assert time.monotonic() < end, f"never scaled to 3: {replica_states()}"
+        time.sleep(0.5)  # polling Serve's controller
+    for s in streams:
+        s.join(DEADLINE_S)
+    assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [(None, "length", 300)] * 8
+    wait_replicas(1)
+    completion(server.url, "after the scale-down")

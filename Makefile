@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 # `cuda` extra (FlashInfer) only where a CUDA device answers.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test lint serve bench bench-offline peer-vllm clean e2e
+.PHONY: install test lint serve bench bench-offline peer-vllm clean e2e soak
 
 install: $(STAMP)
 
@@ -47,6 +47,13 @@ bench-offline: $(STAMP)
 # ray_configs/cluster.yaml on a node reached over SSH on 127.0.0.1 (root; see scripts/e2e/run.sh).
 e2e: $(STAMP)
 	TORCH="$(TORCH)" bash scripts/e2e/run.sh
+
+# Chaos soak (not part of `make test`): 5 minutes of steady load on a local two-replica cluster,
+# a random replica, scheduler or shard killed every 20 s; prints a JSON summary, fails on a hang,
+# a page or placement-group leak, or replica RSS growth >= 10%. Shorter: make soak SOAK_ARGS="--duration-s 60".
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py --duration-s 300 --kill-every-s 20 $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

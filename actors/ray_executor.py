@@ -27,6 +27,7 @@ from actors.errors import ExecutorFailure
 from actors.executor import Executor
 from actors.log import get_logger
 from actors.shard_actor import ModelShardActor, ShardConfigError, ShardInfo
+from actors.shard_groups import group_name, reap_orphans
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
@@ -206,7 +207,10 @@ class RayExecutor(Executor):
     def _place(self) -> PlacementGroup:
         bundle = {"GPU": 1.0} if self._on_cuda else {"CPU": 1.0}
         strategy = self.config.placement_strategy
-        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
+        reaped = reap_orphans()  # groups of dead schedulers would otherwise hold their CPUs/GPUs forever
+        if reaped:
+            logger.warning("removed %d placement group(s) left by dead schedulers", reaped)
+        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy, name=group_name())
         ready, _ = ray.wait([pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
             remove_placement_group(pg)

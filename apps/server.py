@@ -300,6 +300,9 @@ class LLMServer(ReplicaStats):
             if not isinstance(exc, Exception):  # cancelled mid-submit: abort once the submit has landed
                 self._background(self._abort_after(submitted, rid))
                 raise
+            if isinstance(exc, ray.exceptions.RayActorError):  # the scheduler died: Serve replaces us soon
+                exc = APIError(503, "this replica's engine is down and is being replaced; retry the request",
+                               code="engine_unavailable")
             return _error(exc)
         stream = RequestStream(rid, queue, n=params.n, num_prompt_tokens=num_prompt)
         # The task that runs this handler also sends the response, so its end is the request's end

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_http_vs_offline.py --runs 3 [--model tiny]
 
-For each run (alternating, so both sides see the same machine noise):
+For each side, ``--runs`` runs (the offline runs first, then the HTTP runs against one server):
 - offline: ``flotilla bench offline`` on the workload at max_num_seqs 64
   (output tok/s), and the lone-request TTFT of the in-process engine: one
   request at a time, wall time from ``add_request`` to its first token.
@@ -39,20 +39,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# One torch thread on both sides: the engine inside Ray's actor runs with OMP_NUM_THREADS=1, and
+# two OpenMP threads on a 2-core machine that also runs the client collapse under contention.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+
+
 def _json_cmd(args: list[str]) -> dict[str, Any]:
     """Run a command that prints one JSON object on stdout."""
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True, env=ONE_THREAD)
     return dict(json.loads(out.stdout))
 
 
 def offline_lone_ttft_ms(model: str, workload: Path) -> float:
     """Median wall time from add_request to the first token, one request at a time (in-process)."""
+    import torch
+
     from apps.llm import LLM
     from cluster.bench_offline import read_workload
     from scheduling.sampling_params import SamplingParams
 
+    torch.set_num_threads(1)
     llm = LLM(model, max_num_seqs=64, max_model_len=2048, enable_prefix_caching=False)
     try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         samples = []
         for i, req in enumerate(read_workload(workload)[:LONE_PROMPTS]):
             t0 = time.perf_counter()
@@ -84,7 +93,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30
 def http_side(model: str, workload: Path, runs: int) -> list[dict[str, float]]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(ONE_THREAD)
     env.pop("RAY_ADDRESS", None)
     server = subprocess.Popen([str(BIN / "flotilla"), "serve", "--model", model, "--port", str(port),
                                "--max-num-seqs", "64"], cwd=ROOT, env=env,

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# flotilla serve vs vLLM's CPU build on the same model folder, one server at a time, one config:
+#   bash scripts/bench_serve_vs_vllm.sh [MODEL=small] [OUT_DIR=.bench/serve]
+# Needs `make peer-vllm` (the .peer-vllm venv). Writes flotilla.json, vllm.json (+ PNGs) under
+# OUT_DIR and prints the comparison table (flotilla as "new", vLLM as "base").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model_name=${1:-small} out=${2:-.bench/serve}
+mkdir -p "$out"
+model=$(.venv/bin/python -c "from actors.embedded_models import ensure_embedded_model as e; print(e('$model_name'))")
+export RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1
+pid=""
+stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }
+trap stop EXIT
+wait_up() {  # bounded: 600 s for a server to answer /health
+  for _ in $(seq 1 600); do
+    curl -sf "$1/health" >/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || { echo "server exited" >&2; return 1; }
+    sleep 1
+  done
+  return 1
+}
+bench() { .venv/bin/flotilla bench serve --config scripts/bench_serve_compare.yaml --base-url "$1" \
+            --out "$out/$2.json" --plot "$out/$2.png" > /dev/null; }
+
+.venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \
+  --max-model-len 2048 > "$out/flotilla_server.log" 2>&1 &
+pid=$!
+wait_up http://127.0.0.1:8200 && bench http://127.0.0.1:8200 flotilla
+stop
+bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_server.log" 2>&1 &
+pid=$!
+wait_up http://127.0.0.1:8100 && bench http://127.0.0.1:8100 vllm
+stop
+.venv/bin/flotilla bench serve --load "$out/flotilla.json" --compare "$out/vllm.json" || true

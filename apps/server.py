@@ -36,7 +36,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.engine_config import EngineConfig
 from actors.loader import load_tokenizer, resolve_model_path
-from actors.outputs import SequenceDelta
 from actors.scheduler_actor import SchedulerActor
 from apps import protocol as p
 from apps import request_params as rq
@@ -44,6 +43,7 @@ from apps.auth import ApiKeyAuth
 from apps.detached import detached
 from apps.errors import APIError, error_response
 from apps.replica_stats import ReplicaStats
+from apps.response_builder import ResponseBuilder
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
 from scheduling.batch import TokenLogprobs
@@ -82,51 +82,6 @@ def _error(exc: BaseException) -> JSONResponse:
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes and methods get the OpenAI envelope too."""
     return _error(APIError(exc.status_code, str(exc.detail)))
-
-
-class _Output:
-    """Builds one request's choices and chunks (completions or chat)."""
-
-    def __init__(self, kind: str, model: str, created: int, want_logprobs: bool, decode: p.Decode) -> None:
-        self.kind, self.model, self.created = kind, model, created
-        self.want_logprobs = want_logprobs
-        self.decode = decode
-        self._offsets: dict[int, int] = {}  # sequence index -> text offset of its next token
-
-    def logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
-        if not self.want_logprobs:
-            return None
-        if self.kind == "chat":
-            return p.chat_logprobs(entries, self.decode)
-        lp = p.completion_logprobs(entries, self.decode, text_offset=self._offsets.get(index, 0))
-        self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-        return lp
-
-    def choice(self, index: int, text: str, finish: str | None, entries: list[TokenLogprobs]) -> dict[str, Any]:
-        build = p.completion_choice if self.kind == "completion" else p.chat_choice
-        return build(index, text, finish, self.logprobs(index, entries))
-
-    def chunk(self, request_id: str, deltas: list[SequenceDelta]) -> dict[str, Any] | None:
-        """One chunk for ``deltas`` (several steps' worth when the reader fell behind), or None if empty.
-
-        A sequence's deltas merge into one choice: texts and logprobs joined,
-        the last finish reason kept.
-        """
-        merged: dict[int, tuple[str, list[TokenLogprobs], str | None]] = {}
-        for d in deltas:
-            text, entries, finish = merged.get(d.index, ("", [], None))
-            merged[d.index] = (text + d.text, entries + (d.logprobs or []), d.finish_reason or finish)
-        choices = []
-        for index, (text, entries, finish) in merged.items():
-            if not (text or finish or entries):
-                continue
-            lp = self.logprobs(index, entries)
-            build = p.completion_choice if self.kind == "completion" else p.chat_delta_choice
-            choices.append(build(index, text, finish, lp))
-        if not choices:
-            return None
-        wrap = p.completion_chunk if self.kind == "completion" else p.chat_completion_chunk
-        return wrap(request_id, self.model, self.created, choices)
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10.0)
@@ -310,7 +265,7 @@ class LLMServer(ReplicaStats):
         task = asyncio.current_task()
         if task is not None:
             task.add_done_callback(lambda _: self._release(stream))
-        out = _Output(kind, model, int(time.time()), params.logprobs is not None, self._decode)
+        out = ResponseBuilder(kind, model, int(time.time()), params.logprobs is not None, self._decode)
         if req.stream:
             return EventStreamResponse(self._sse(stream, out, req.include_usage), lambda: self._release(stream))
         return await self._whole(stream, out)
@@ -341,7 +296,7 @@ class LLMServer(ReplicaStats):
             stream.released = True
             self._background(self._abort(stream.request_id))
 
-    async def _whole(self, stream: RequestStream, out: _Output) -> Response:
+    async def _whole(self, stream: RequestStream, out: ResponseBuilder) -> Response:
         texts = [""] * stream.n
         entries: list[list[TokenLogprobs]] = [[] for _ in range(stream.n)]
         try:
@@ -358,7 +313,7 @@ class LLMServer(ReplicaStats):
         build = p.completion_response if out.kind == "completion" else p.chat_completion_response
         return JSONResponse(build(stream.request_id, out.model, out.created, choices, usage))
 
-    async def _sse(self, stream: RequestStream, out: _Output, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _sse(self, stream: RequestStream, out: ResponseBuilder, include_usage: bool) -> AsyncIterator[bytes]:
         rid = stream.request_id
         try:
             if out.kind == "chat":

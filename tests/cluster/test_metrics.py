@@ -15,12 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.engine_stats import EngineStats, memory_usage
 from actors.outputs import SequenceDelta, SequenceTiming
 from cluster import metrics as m
-from cluster.metrics import (
-    CLUSTER_FAMILIES,
-    REPLICA_FAMILIES,
-    ReplicaMetrics,
-    exported_sample_names,
-)
+from cluster.metric_families import CLUSTER_FAMILIES, REPLICA_FAMILIES, exported_sample_names
+from cluster.metrics import ReplicaMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ray_configs" / "grafana_dashboard.json"

@@ -1,0 +1,120 @@
+"""The metric families flotilla exports: names, kinds, help, labels and buckets.
+
+One table serves both exporters (a replica's ``/metrics`` and Ray's metrics
+system, see ``cluster.metrics``) and the dashboard test: every name the Grafana
+JSON queries must be one ``exported_sample_names`` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "flotilla:"
+RAY_PREFIX = "flotilla_"
+RAY_EXPORT_PREFIX = "ray_"
+REPLICA_LABELS = ("model_name", "replica")
+DEPLOYMENT_LABELS = ("deployment",)
+
+# Latency buckets (seconds), close to vLLM's: fine below 100 ms for ITL/TPOT,
+# long tails for queueing and end-to-end time. Ray requires them positive.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                   20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One metric family: ``name`` without prefix, its kind, help and labels."""
+
+    name: str
+    kind: str  # "gauge" | "counter" | "histogram"
+    help: str
+    labels: tuple[str, ...] = REPLICA_LABELS
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exposition_name(self) -> str:
+        """The family's name on a replica's ``/metrics``."""
+        return PREFIX + self.name
+
+    @property
+    def ray_name(self) -> str:
+        """The name given to ``ray.util.metrics``."""
+        return RAY_PREFIX + self.name
+
+    def sample_names(self, exported: str) -> set[str]:
+        """The sample names a Prometheus scrape shows for the family exported as ``exported``."""
+        if self.kind == "counter":
+            return {exported + "_total"}
+        if self.kind == "histogram":
+            return {exported + s for s in ("_bucket", "_sum", "_count")}
+        return {exported}
+
+
+def _g(name: str, help: str) -> Family:
+    return Family(name, "gauge", help)
+
+
+def _c(name: str, help: str, labels: tuple[str, ...] = REPLICA_LABELS) -> Family:
+    return Family(name, "counter", help, labels)
+
+
+def _h(name: str, help: str, buckets: tuple[float, ...]) -> Family:
+    return Family(name, "histogram", help, REPLICA_LABELS, buckets)
+
+
+REPLICA_FAMILIES: tuple[Family, ...] = (
+    _g("num_requests_running", "Sequences in the running batch."),
+    _g("num_requests_waiting", "Sequences waiting to be scheduled (including preempted ones)."),
+    _g("kv_cache_usage_perc", "Fraction of KV pages held by requests (0..1; reclaimable cache pages count as free)."),
+    _c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    _c("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    _c("prompt_tokens", "Prompt tokens of requests that started generating."),
+    _c("generation_tokens", "Generated tokens."),
+    _c("request_success", "Finished sequences by finish reason (stop, length, abort, error).",
+       (*REPLICA_LABELS, "finished_reason")),
+    _c("num_preemptions", "Preemptions of running sequences."),
+    _c("process_cpu_seconds", "CPU seconds used by the engine process (rate() gives cores busy)."),
+    _g("memory_used_bytes", "Resident memory of the engine process."),
+    _g("memory_peak_bytes", "Peak resident memory of the engine process."),
+    _g("memory_limit_bytes", "Memory the engine process may use (cgroup limit or physical RAM)."),
+    _g("gpu_memory_used_bytes", "Memory in use on the engine's GPU (absent on CPU)."),
+    _g("gpu_memory_total_bytes", "Size of the engine's GPU memory (absent on CPU)."),
+    _g("gpu_utilization_perc", "Utilisation of the engine's GPU, 0..100 (absent without NVML)."),
+    _h("time_to_first_token_seconds", "Arrival to first token, in the engine.", TTFT_BUCKETS),
+    _h("inter_token_latency_seconds", "Time between a sequence's successive tokens, as the replica receives them.",
+       TOKEN_BUCKETS),
+    _h("request_time_per_output_token_seconds", "Mean time per output token after the first (finished sequences).",
+       TOKEN_BUCKETS),
+    _h("e2e_request_latency_seconds", "Arrival to last token (sequences that ended by stop or length).",
+       REQUEST_BUCKETS),
+    _h("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS),
+)
+
+CLUSTER_FAMILIES: tuple[Family, ...] = (
+    Family("num_replicas", "gauge", "Replicas of the deployment when the autoscaler last decided.",
+           DEPLOYMENT_LABELS),
+    Family("target_replicas", "gauge", "Replicas the autoscaler last asked for.", DEPLOYMENT_LABELS),
+    Family("scaling_decisions", "counter", "Autoscaling decisions that changed the replica count.",
+           (*DEPLOYMENT_LABELS, "direction", "reason")),
+)
+
+
+def family(name: str) -> Family:
+    """The family called ``name`` (no prefix)."""
+    for f in REPLICA_FAMILIES + CLUSTER_FAMILIES:
+        if f.name == name:
+            return f
+    raise KeyError(name)
+
+
+def exported_sample_names() -> set[str]:
+    """Every sample name a scrape can show, on replicas' ``/metrics`` and on Ray's endpoint."""
+    names: set[str] = set()
+    for f in REPLICA_FAMILIES + CLUSTER_FAMILIES:
+        names |= f.sample_names(f.exposition_name)
+        names |= f.sample_names(RAY_EXPORT_PREFIX + f.ray_name)
+    return names

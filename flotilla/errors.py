@@ -48,13 +48,17 @@ class APIStatusError(FlotillaError):
     ``status`` is the HTTP status; for an error event inside a stream (which
     carries no status) it is inferred from the envelope's ``type``: 500 for
     ``server_error``, else 400. ``retry_after`` is the server's Retry-After in
-    seconds, if it sent one.
+    seconds, if it sent one. ``enveloped`` is False when the body was not the
+    OpenAI error envelope: the answer came from something in front of the
+    server (Serve's proxy answers a bare "Internal Server Error" when the
+    replica it chose dies), not from flotilla itself.
     """
 
     def __init__(self, message: str, *, status: int, param: str | None = None, code: str | None = None,
-                 type: str | None = None, retry_after: float | None = None) -> None:
+                 type: str | None = None, retry_after: float | None = None, enveloped: bool = True) -> None:
         super().__init__(message)
         self.status = status
+        self.enveloped = enveloped
         self.param = param
         self.code = code
         self.type = type
@@ -113,7 +117,7 @@ def from_response(status: int, body: Any, *, retry_after: float | None = None,
     error = body.get("error") if isinstance(body, Mapping) else None
     if not isinstance(error, Mapping):
         text = fallback or f"HTTP {status}"
-        return status_error_class(status)(text, status=status, retry_after=retry_after)
+        return status_error_class(status)(text, status=status, retry_after=retry_after, enveloped=False)
     message = _field(error, "message") or fallback or f"HTTP {status}"
     return status_error_class(status)(message, status=status, param=_field(error, "param"),
                                       code=_field(error, "code"), type=_field(error, "type"),

@@ -2,7 +2,8 @@
 
 Retried: connection errors (refused, reset, dropped before an answer),
 timeouts while connecting, and the statuses in ``defaults.RETRY_STATUSES``
-(408, 429, 502, 503, 504). Never retried: other statuses, a timeout after
+(408, 429, 502, 503, 504), and a 500 without the OpenAI error envelope
+(Serve's proxy, when the replica it picked died before answering). Never retried: other statuses, a timeout after
 the connection was made (the server may still be working), and anything
 after a streamed token has reached the caller (the stream code stops calling
 this loop once its first token is in).
@@ -56,7 +57,10 @@ class RetryPolicy:
             return error.during_connect
         if isinstance(error, APIConnectionError):
             return True
-        return isinstance(error, APIStatusError) and error.status in defaults.RETRY_STATUSES
+        if not isinstance(error, APIStatusError):
+            return False
+        # A bare 500 (no OpenAI envelope) is the proxy saying the replica died before answering.
+        return error.status in defaults.RETRY_STATUSES or (error.status == 500 and not error.enveloped)
 
     def delay_s(self, retry: int, error: FlotillaError | None = None) -> float:
         """The wait before retry number ``retry`` (0-based); at least the server's Retry-After."""

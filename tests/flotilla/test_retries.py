@@ -111,6 +111,21 @@ def test_stream_opening_with_503_is_retried(fake: FakeServer) -> None:
     assert fake.attempts["/v1/completions"] == 2
 
 
+def test_bare_500_from_the_proxy_is_retried_but_flotillas_own_500_is_not(fake: FakeServer) -> None:
+    """Serve's proxy answers a plain-text 500 when the replica it picked died before answering."""
+    async def proxy_500(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=500, text="Internal Server Error")
+
+    fake.script("/v1/completions", proxy_500, sse([chunk("x", "stop")]))
+    with Client(fake.url, **FAST) as client, client.stream("hi") as stream:
+        assert [d.text for d in stream] == ["x"]
+    assert fake.attempts["/v1/completions"] == 2
+    fake.script("/v1/chat/completions", error(500, "engine failed"), ok(completion("never")))
+    with Client(fake.url, **FAST) as client, pytest.raises(flotilla.ServerError) as info:
+        client.chat("hi")
+    assert info.value.enveloped and fake.attempts["/v1/chat/completions"] == 1
+
+
 def test_error_event_mid_stream_is_typed_and_not_retried(fake: FakeServer) -> None:
     failure = {"error": {"message": "engine died", "type": "server_error", "param": None, "code": None}}
     fake.script("/v1/completions", sse([chunk("a"), failure]))

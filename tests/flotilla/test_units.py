@@ -68,6 +68,8 @@ def test_retry_policy_decisions_and_delays() -> None:
     for status, retried in [(408, True), (429, True), (502, True), (503, True), (504, True), (400, False),
                             (404, False), (500, False)]:
         assert policy.should_retry(flotilla.APIStatusError("x", status=status)) is retried
+    assert policy.should_retry(flotilla.APIStatusError("Internal Server Error", status=500, enveloped=False))
+    assert from_response(500, None, fallback="Internal Server Error").enveloped is False
     assert policy.should_retry(flotilla.APIConnectionError("reset"))
     assert policy.should_retry(flotilla.APITimeoutError("connect", during_connect=True))
     assert not policy.should_retry(flotilla.APITimeoutError("read"))

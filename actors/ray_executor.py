@@ -1,10 +1,11 @@
 """The tensor-parallel executor: one ``ModelShardActor`` per rank, in a placement group.
 
-One engine step is ONE execution of a Ray compiled graph that feeds the
-batch to every rank's ``execute`` over shared-memory channels (about 0.15 ms
-a step here, against 1-2 ms for ordinary actor calls); where the graph
-cannot be compiled, or FLOTILLA_COMPILED_GRAPH=0, it is one ordinary Ray call
-per shard, awaited together with a timeout. Any shard that dies or raises turns into an
+Ray places, starts and joins the shards; each engine step then travels over
+the group's step channel (``actors.step_channel``): the batch is pickled once
+and written to every rank's authenticated socket, and the step ends when
+every rank has answered. That costs a few hundred microseconds a step, where
+an ordinary actor call costs 1-2 ms and a Ray compiled graph spin-waits a
+core away on each end. Any shard that dies or raises turns into an
 ``ExecutorFailure`` naming its rank; the executor then tears the whole group
 down at once (a surviving rank may be blocked in a collective that will never
 complete), and ``restart()`` builds a fresh one on a fresh port.
@@ -13,7 +14,6 @@ complete), and ``restart()`` builds a fresh one on a fresh port.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -28,6 +28,7 @@ from actors.executor import Executor
 from actors.log import get_logger
 from actors.shard_actor import ModelShardActor, ShardConfigError, ShardInfo
 from actors.shard_groups import group_name, reap_orphans
+from actors.step_channel import StepChannelError, StepClient, new_key
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
@@ -77,7 +78,8 @@ class RayExecutor(Executor):
         self._on_cuda = config.resolved_device().type == "cuda"
         self._pg: PlacementGroup | None = None
         self._shards: list[Any] = []  # Ray actor handles, index = rank
-        self._dag: Any | None = None  # the compiled step graph, when it compiled
+        self._channel: StepClient | None = None  # the per-step data path to every rank
+        self._serving: list[Any] = []  # each rank's serve_steps() call, done when it hangs up or dies
         self.shard_infos: list[ShardInfo] = []
         self._start(config)
         first = self.shard_infos[0]
@@ -93,14 +95,13 @@ class RayExecutor(Executor):
 
     def execute(self, batch: Batch) -> StepOutput:
         """Run one step on every rank; return rank 0's sampled tokens."""
-        if not self._shards:
+        if not self._shards or self._channel is None:
             raise ExecutorFailure("the shard group is down after a failure; call restart() first")
-        if self._dag is not None:
-            outputs = self._execute_compiled(batch)
-        else:
-            ref = ray.put(batch)  # serialised once; Ray resolves the ref for every shard
-            refs = [shard.execute.remote(ref) for shard in self._shards]
-            outputs = self._gather(refs, self.step_timeout_s, f"step {batch.step}")
+        try:
+            outputs = self._channel.run(batch, self.step_timeout_s)
+        except StepChannelError as err:
+            self.shutdown()
+            raise ExecutorFailure(f"step {batch.step}: {err}") from err
         out = outputs[0]
         assert isinstance(out, StepOutput), f"rank 0 returned {type(out).__name__}"
         return out
@@ -116,10 +117,10 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         """Kill every shard and remove the placement group (idempotent)."""
-        dag, self._dag = self._dag, None
-        if dag is not None:
-            with contextlib.suppress(Exception):  # a dead shard makes teardown complain
-                dag.teardown(kill_actors=True)
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+        self._serving = []
         shards, self._shards = self._shards, []
         for shard in shards:
             with contextlib.suppress(Exception):  # already dead is fine
@@ -135,7 +136,7 @@ class RayExecutor(Executor):
         self._pg = self._place()
         for rank in range(self.world_size):
             options: dict[str, Any] = {
-                # The compiled graph's loop holds one thread; ping() needs another.
+                # serve_steps() holds one thread for the group's life; ping() needs another.
                 "max_concurrency": 2,
                 "num_cpus": 0 if self._on_cuda else 1,
                 "num_gpus": 1 if self._on_cuda else 0,
@@ -158,51 +159,22 @@ class RayExecutor(Executor):
         self.shard_infos = [info for info in infos if isinstance(info, ShardInfo)]
         pages = {info.capacity.num_pages for info in self.shard_infos}
         assert len(self.shard_infos) == self.world_size and len(pages) == 1, pages  # the runners agreed
-        self._dag = self._compile()
+        self._open_channel()
         logger.info(
             "started %d shards (%s) on nodes %s", self.world_size, self.config.placement_strategy,
             [info.node_id[:8] for info in self.shard_infos],
         )
 
-    def _compile(self) -> Any | None:
-        """The step as a compiled graph: input -> every rank's execute -> all outputs."""
-        if os.environ.get("FLOTILLA_COMPILED_GRAPH", "1") == "0":
-            return None
+    def _open_channel(self) -> None:
+        """Every rank listens, serves in a long-running call, and the client connects."""
+        key = new_key()
+        addresses = self._gather([s.open_channel.remote(key) for s in self._shards], self.start_timeout_s, "channel")
+        self._serving = [shard.serve_steps.remote() for shard in self._shards]
         try:
-            from ray.dag import InputNode, MultiOutputNode
-
-            with InputNode() as batch:
-                graph = MultiOutputNode([shard.execute.bind(batch) for shard in self._shards])
-            return graph.experimental_compile()
-        except Exception as err:  # noqa: BLE001 - any failure keeps the plain-call path
-            logger.warning("compiled graph unavailable (%s); one Ray call per shard per step", _first_line(err))
-            return None
-
-    def _execute_compiled(self, batch: Batch) -> list[Any]:
-        assert self._dag is not None
-        try:
-            return list(ray.get(self._dag.execute(batch), timeout=self.step_timeout_s))
-        except Exception as err:  # noqa: BLE001 - any shard error fails the step
-            dead = self._dead_ranks()
+            self._channel = StepClient(addresses, key)
+        except StepChannelError as err:
             self.shutdown()
-            who = f"shard rank {dead[0]} failed" if dead else "the shard group failed"
-            raise ExecutorFailure(
-                f"step {batch.step}: {who}: {type(err).__name__}: {_first_line(err)}"
-            ) from err
-
-    def _dead_ranks(self) -> list[int]:
-        """Ranks whose actor no longer answers (probed once, after a failed step)."""
-        refs = [shard.ping.remote() for shard in self._shards]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
-        dead = []
-        for rank, ref in enumerate(refs):
-            if ref not in ready:
-                continue  # alive but busy (blocked in a collective)
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001 - a dead actor raises here
-                dead.append(rank)
-        return dead
+            raise ExecutorFailure(f"step channel: {err}") from err
 
     def _place(self) -> PlacementGroup:
         bundle = {"GPU": 1.0} if self._on_cuda else {"CPU": 1.0}

@@ -8,9 +8,12 @@ placement-group bundle, then drives it in three calls:
    (the join blocks until all ranks arrive), build the ``ModelRunner``
    (which loads only this rank's weight shard and agrees on the KV pool size
    with the other ranks), and report a ``ShardInfo``;
-3. ``execute(batch)`` on every rank for every step: all ranks run the
-   forward (the collectives need them all); rank 0 samples and returns the
-   ``StepOutput``, the others return None.
+3. ``open_channel(key)`` then ``serve_steps()`` on every rank: a socket
+   on this node (see ``actors.step_channel``) over which every step's batch
+   arrives; ``serve_steps`` holds one of the actor's two threads until the
+   executor hangs up, running ``execute(batch)`` for each step: all ranks run
+   the forward (the collectives need them all); rank 0 samples and returns
+   the ``StepOutput``, the others return None.
 
 The class is plain Python; ``ray.remote`` is applied by the executor, so this
 module needs no Ray cluster to import.
@@ -24,9 +27,16 @@ from pathlib import Path
 
 import torch
 
-from actors.distributed import Rendezvous, destroy_distributed, init_distributed, new_rendezvous
+from actors.distributed import (
+    Rendezvous,
+    destroy_distributed,
+    init_distributed,
+    new_rendezvous,
+    node_ip,
+)
 from actors.engine_config import EngineConfig
 from actors.model_runner import ModelRunner
+from actors.step_channel import ChannelAddress, StepServer
 from kvcache.kv_pool import KVCapacity
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
@@ -71,6 +81,7 @@ class ModelShardActor:
         self.world_size = world_size
         self._runner: ModelRunner | None = None  # built by start(), once the process group exists
         self._info: ShardInfo | None = None
+        self._channel: StepServer | None = None
         _limit_threads()
 
     def rendezvous(self) -> Rendezvous:
@@ -100,6 +111,18 @@ class ModelShardActor:
             raise RuntimeError(f"shard rank {self.rank} executed before start()")
         out = runner.execute(batch)
         return out if self.rank == 0 else None
+
+    def open_channel(self, key: bytes) -> ChannelAddress:
+        """Listen for the executor's step channel on this node; ``key`` authenticates it."""
+        self._channel = StepServer(node_ip(), key)
+        return self._channel.address
+
+    def serve_steps(self) -> int:
+        """Run every step that arrives on the channel until the executor hangs up; returns the count."""
+        channel, self._channel = self._channel, None
+        if channel is None:
+            raise RuntimeError(f"shard rank {self.rank}: serve_steps() before open_channel()")
+        return channel.serve(self.execute)
 
     def ping(self) -> ShardInfo:
         """Health check: answers while the actor lives and has started."""

@@ -6,10 +6,12 @@ process, then through a ``SchedulerActor`` on a local Ray cluster (one shard:
 ``LocalExecutor`` inside the actor, or ``RayExecutor`` with
 ``tensor_parallel_size=1`` under ``--executor ray``), read the way a replica
 reads it: every request submitted, then one ``next_outputs`` long-poll per
-step. The two paths alternate ``runs`` times and the median run of each is
-reported, so background load on a shared machine hits both alike. Prints one
-JSON object: both output tok/s, their ratio (target >= 0.85) and the
-per-step overhead in ms.
+step. The two paths alternate ``runs`` times (default 5), so background load
+on a shared machine hits both alike; the first pair also fills each side's
+prefix cache. Prints one JSON object: each side's median run (output tok/s,
+ms per step), the ratio (the median over pairs of Ray tok/s / in-process
+tok/s: a pair runs seconds apart, so slow drifts of a shared host cancel;
+target >= 0.85), every pair's ratio, and the per-step overhead in ms.
 
 Both sides use ``threads`` torch threads (default 1: tiny matmuls are fastest
 on one thread, and it keeps the comparison fair).
@@ -66,9 +68,16 @@ def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
+def _pair_ratios(local: list[dict[str, float]], remote: list[dict[str, float]]) -> list[float]:
+    """Ray tok/s over in-process tok/s, pair by pair."""
+    return [
+        (r["tokens"] / r["seconds"]) / (lo["tokens"] / lo["seconds"]) for lo, r in zip(local, remote, strict=True)
+    ]
+
+
 def _compare(
     model: str, reqs: list[dict[str, Any]], engine: dict[str, Any], threads: int, executor: str, runs: int
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """Interleave the two paths ``runs`` times (load on a shared box hits both alike)."""
     import ray
 
@@ -90,14 +99,14 @@ def _compare(
         for k in range(runs):
             local.append(_in_process_run(llm, reqs, params))
             remote.append(_ray_run(actor, reqs, params, f"run{k}"))
-        return _median_run(local), _median_run(remote)
+        return local, remote
     finally:
         ray.get(actor.shutdown.remote())
         ray.kill(actor)
 
 
 def run(
-    model: str, workload: str | Path, *, threads: int = 1, executor: str = "local", runs: int = 3,
+    model: str, workload: str | Path, *, threads: int = 1, executor: str = "local", runs: int = 5,
     **engine: Any,
 ) -> dict[str, Any]:
     """Run both paths ``runs`` times on ``workload``; returns the JSON-ready result (medians)."""
@@ -113,10 +122,12 @@ def run(
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=max(2, threads + 1), include_dashboard=False, log_to_driver=False)
     try:
-        local, remote = _compare(model, reqs, engine, threads, executor, runs)
+        local_runs, remote_runs = _compare(model, reqs, engine, threads, executor, runs)
     finally:
         if started:
             ray.shutdown()
+    ratios = sorted(_pair_ratios(local_runs, remote_runs))
+    local, remote = _median_run(local_runs), _median_run(remote_runs)
     tps_local = local["tokens"] / local["seconds"]
     tps_ray = remote["tokens"] / remote["seconds"]
     ms_local = 1000.0 * local["seconds"] / max(local["steps"], 1)
@@ -132,8 +143,9 @@ def run(
         "ray": {"output_tok_per_s": round(tps_ray, 1), "seconds": round(remote["seconds"], 3),
                 "steps": int(remote["steps"]), "ms_per_step": round(ms_ray, 3),
                 "polls": int(remote["polls"]), "messages": int(remote["messages"])},
-        "ratio": round(tps_ray / tps_local, 3),
+        "ratio": round(ratios[len(ratios) // 2], 3),
+        "pair_ratios": [round(r, 3) for r in _pair_ratios(local_runs, remote_runs)],
         "target_ratio": 0.85,
         "overhead_ms_per_step": round(ms_ray - ms_local, 3),
-        "same_output_tokens": local["tokens"] == remote["tokens"],
+        "same_output_tokens": all(r["tokens"] == local["tokens"] for r in local_runs + remote_runs),
     }

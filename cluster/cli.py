@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     rov.add_argument("--executor", choices=("local", "ray"), default="local",
                      help="the actor's executor: in-actor (local) or one RayExecutor shard")
     rov.add_argument("--threads", type=int, default=1, help="torch threads on each side")
-    rov.add_argument("--runs", type=int, default=3, help="alternating runs of each path; medians")
+    rov.add_argument("--runs", type=int, default=5, help="alternating runs of each path (median over pairs)")
     rov.add_argument("--max-num-seqs", type=int, default=64)
     rov.add_argument("--max-model-len", type=int, default=2048)
     rov.add_argument("--num-kv-pages", type=int, default=None)

@@ -37,7 +37,7 @@ class Batch:
     context_lens: list[int]
     page_tables: list[list[int]]
     sample_indices: list[int]
-    sampling_params: list[SamplingParams]
+    sampling_params: list[SamplingParams]  # sampler views (``SamplingParams.sampler_view``), shared when equal
     # Tokens generated so far by each sampled sequence, counted: seeds the
     # per-request generator so seeded sampling ignores batch composition.
     num_output_tokens: list[int]

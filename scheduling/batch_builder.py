@@ -40,7 +40,7 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
         page_tables.append(req.pages[:])
         if samples:
             sample_indices.append(idx)
-            p = req.params
+            p = req.sampler_params
             params.append(p)
             num_out.append(len(req.output_token_ids))
             penal = p.needs_penalties

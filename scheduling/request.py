@@ -51,6 +51,7 @@ class Request:
         "request_id",
         "prompt_token_ids",
         "params",
+        "sampler_params",
         "namespace",
         "eos_token_id",
         "status",
@@ -80,6 +81,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.sampler_params = params.sampler_view()  # what a batch carries to the sampler
         self.namespace = namespace
         self.eos_token_id = eos_token_id
         self.status = RequestStatus.WAITING

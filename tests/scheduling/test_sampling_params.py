@@ -53,3 +53,14 @@ def test_errors_survive_pickling_with_param() -> None:
     err = pickle.loads(pickle.dumps(InvalidParameterError("top_p", "must be in (0, 1]")))
     assert type(err) is InvalidParameterError
     assert err.param == "top_p" and str(err) == "top_p: must be in (0, 1]"
+
+
+def test_sampler_view_keeps_what_the_sampler_reads_and_is_shared() -> None:
+    a = SamplingParams(max_tokens=5, temperature=0.7, top_k=4, seed=3, stop=["x"], logprobs=2, n=2)
+    b = SamplingParams(max_tokens=99, temperature=0.7, top_k=4, seed=3, ignore_eos=True, logprobs=2)
+    view = a.sampler_view()
+    assert view is b.sampler_view()  # equal sampler settings: one object, pickled once per batch
+    assert (view.temperature, view.top_k, view.seed, view.logprobs) == (0.7, 4, 3, 2)
+    assert (view.max_tokens, view.stop, view.n, view.ignore_eos) == (16, (), 1, False)
+    assert SamplingParams(temperature=0.7, top_k=4, seed=4, logprobs=2).sampler_view() is not view
+    assert SamplingParams(repetition_penalty=1.2).sampler_view().needs_penalties

@@ -13,6 +13,7 @@ import torch
 from actors.engine_config import EngineConfig
 from actors.loader import load_model
 from actors.log import get_logger
+from actors.models.layers import ParallelLinear
 from actors.sampler import Sampler
 from kvcache.attention_backend import AttentionBackend, StepLayout
 from kvcache.kv_pool import (
@@ -81,6 +82,8 @@ class ModelRunner:
             max_model_len=config.max_model_len, rank=rank, world_size=world_size,
         )
         self.model = loaded.model
+        if self.device.type == "cpu":
+            _pack_linears(self.model)
         self.hf_config = loaded.hf_config
         self.model_path = loaded.path
         m = self.model
@@ -152,3 +155,10 @@ class ModelRunner:
             logits, batch.sampling_params, batch.num_output_tokens,
             batch.prompt_token_ids, batch.output_token_ids,
         )
+
+
+def _pack_linears(model: torch.nn.Module) -> None:
+    """Move every linear layer's weight to oneDNN's packed layout (see ``actors.models.cpu_linear``)."""
+    layers = [m for m in model.modules() if isinstance(m, ParallelLinear)]
+    packed = sum(layer.pack_for_cpu() for layer in layers)
+    logger.debug("oneDNN-packed %d of %d linear layers", packed, len(layers))

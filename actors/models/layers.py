@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from actors.models import cpu_linear
 from scheduling.errors import InvalidParameterError
 
 
@@ -122,7 +123,7 @@ def _divide(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
-class _ParallelLinear(nn.Module):
+class ParallelLinear(nn.Module):
     """Shared storage of the linear layers: an (out, in) weight and optional bias."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
@@ -130,17 +131,33 @@ class _ParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # the oneDNN-packed weight, once pack_for_cpu() ran
 
     def _param(self, param_name: str) -> nn.Parameter:
         param = getattr(self, param_name)
         assert isinstance(param, nn.Parameter), f"no parameter {param_name!r}"
         return param
 
+    def pack_for_cpu(self) -> bool:
+        """Swap the loaded weight for a oneDNN-packed copy (``cpu_linear``); False keeps it dense."""
+        bias = self.bias.data if self.bias is not None else None
+        packed = cpu_linear.pack(self.weight.data, bias)
+        if packed is None:
+            return False
+        self.packed = packed
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy holds the values now
+        return True
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_linear.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(ParallelLinear):
     """``y = xW^T + b`` with the output dim split across ranks (no gather)."""
 
     def __init__(
@@ -156,7 +173,7 @@ class ColumnParallelLinear(_ParallelLinear):
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
 
-class MergedColumnParallelLinear(_ParallelLinear):
+class MergedColumnParallelLinear(ParallelLinear):
     """Several column-parallel projections of one input fused (gate and up).
 
     Shard ``i`` of the rank's output holds this rank's slice of projection ``i``.
@@ -177,7 +194,7 @@ class MergedColumnParallelLinear(_ParallelLinear):
         param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
 
 
-class QKVParallelLinear(_ParallelLinear):
+class QKVParallelLinear(ParallelLinear):
     """Fused q/k/v projection; heads split across ranks.
 
     With fewer KV heads than ranks, each KV head is replicated on
@@ -222,7 +239,7 @@ class QKVParallelLinear(_ParallelLinear):
         dst.copy_(src)
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(ParallelLinear):
     """``y = xW^T + b`` with the input dim split across ranks; partial sums all-reduced.
 
     The bias is added once, after the reduction.
@@ -244,8 +261,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return self._linear(x, self.bias)
+        y = self._linear(x, None)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

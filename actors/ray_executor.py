@@ -79,7 +79,6 @@ class RayExecutor(Executor):
         self._pg: PlacementGroup | None = None
         self._shards: list[Any] = []  # Ray actor handles, index = rank
         self._channel: StepClient | None = None  # the per-step data path to every rank
-        self._serving: list[Any] = []  # each rank's serve_steps() call, done when it hangs up or dies
         self.shard_infos: list[ShardInfo] = []
         self._start(config)
         first = self.shard_infos[0]
@@ -120,7 +119,6 @@ class RayExecutor(Executor):
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
-        self._serving = []
         shards, self._shards = self._shards, []
         for shard in shards:
             with contextlib.suppress(Exception):  # already dead is fine
@@ -169,7 +167,8 @@ class RayExecutor(Executor):
         """Every rank listens, serves in a long-running call, and the client connects."""
         key = new_key()
         addresses = self._gather([s.open_channel.remote(key) for s in self._shards], self.start_timeout_s, "channel")
-        self._serving = [shard.serve_steps.remote() for shard in self._shards]
+        for shard in self._shards:
+            shard.serve_steps.remote()  # runs until the client below hangs up (or the shard dies)
         try:
             self._channel = StepClient(addresses, key)
         except StepChannelError as err:

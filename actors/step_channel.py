@@ -121,6 +121,7 @@ class StepClient:
 
     def __init__(self, addresses: list[ChannelAddress], key: bytes, connect_timeout_s: float = 60.0) -> None:
         self._conns: list[Connection] = []
+        self._broken: StepChannelError | None = None  # set when replies may still be in flight
         try:
             for rank, addr in enumerate(addresses):
                 try:
@@ -138,7 +139,13 @@ class StepClient:
             raise
 
     def run(self, message: Any, timeout_s: float) -> list[Any]:
-        """Send ``message`` to every rank; return every rank's reply value, index = rank."""
+        """Send ``message`` to every rank; return every rank's reply value, index = rank.
+
+        After a failed step whose other replies did not all arrive, the
+        channel is out of step with the ranks and every later call fails too.
+        """
+        if self._broken is not None:
+            raise self._broken
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         rank_of = {id(c): r for r, c in enumerate(self._conns)}
         dead: dict[int, str] = {}
@@ -151,22 +158,29 @@ class StepClient:
         errors: dict[int, str] = {}
         pending = [c for r, c in enumerate(self._conns) if r not in dead]
         deadline = time.monotonic() + timeout_s
-        while pending and not dead and not errors:
+        failure: StepChannelError | None = None
+        while pending:
+            if dead or errors:
+                # Collect the other replies for a moment: a dead rank's hang-up is the cause
+                # (the others' errors its effect), and a drained channel stays usable.
+                deadline = min(deadline, time.monotonic() + _SETTLE_S)
             ready = wait(pending, max(0.0, deadline - time.monotonic()))
             if not ready:
-                ranks = sorted(rank_of[id(c)] for c in pending)
-                raise StepChannelError(ranks[0], f"rank(s) {ranks} did not answer within {timeout_s:.0f} s")
+                if not (dead or errors):
+                    ranks = sorted(rank_of[id(c)] for c in pending)
+                    failure = StepChannelError(ranks[0], f"rank(s) {ranks} did not answer within {timeout_s:.0f} s")
+                break
             for got in ready:
                 assert isinstance(got, Connection)
                 self._settle(got, rank_of[id(got)], results, errors, dead)
                 pending.remove(got)
-        if dead or errors:
-            # Give a dead rank's hang-up a moment to arrive: it is the cause, the others' errors its effect.
-            for late in wait(pending, _SETTLE_S) if not dead else []:
-                assert isinstance(late, Connection)
-                self._settle(late, rank_of[id(late)], results, errors, dead)
+        if failure is None and (dead or errors):
             rank, reason = min(dead.items()) if dead else min(errors.items())
-            raise StepChannelError(rank, reason)
+            failure = StepChannelError(rank, reason)
+        if failure is not None:
+            if pending or dead:
+                self._broken = failure
+            raise failure
         return results
 
     @staticmethod

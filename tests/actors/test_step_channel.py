@@ -141,3 +141,19 @@ def test_keys_are_random_and_checked(key: bytes) -> None:
     assert len(key) == KEY_BYTES and key != new_key()
     with pytest.raises(ValueError, match="32 bytes"):
         StepServer("127.0.0.1", os.urandom(8))
+
+
+def test_after_a_timeout_the_channel_refuses_to_run_out_of_step(key: bytes) -> None:
+    release = threading.Event()
+    server = _Served(key, lambda msg: (release.wait(JOIN_S), msg)[1])
+    client = StepClient([server.server.address], key)
+    try:
+        with pytest.raises(StepChannelError, match="did not answer"):
+            client.run("slow", timeout_s=0.1)
+        release.set()  # its late reply would otherwise be read as the next step's
+        with pytest.raises(StepChannelError, match="did not answer"):
+            client.run("next", timeout_s=JOIN_S)
+    finally:
+        release.set()
+        client.close()
+        server.join()

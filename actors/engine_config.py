@@ -34,8 +34,12 @@ class EngineConfig:
     bfloat16 on CUDA. ``executor="ray"`` runs one ``ModelShardActor`` per
     tensor-parallel rank in a placement group built with
     ``placement_strategy`` (PACK by default: ranks share a node when they fit,
-    which keeps the all-reduce off the network). Errors name the parameter
-    and, where two settings disagree, both values.
+    which keeps the all-reduce off the network). ``cpu_threads`` is the
+    number of torch intra-op threads a scheduler actor's in-process forward
+    uses on CPU; None: the whole CPUs Ray reserved for that actor, or, when
+    it reserved none, every core the process may run on (set it when several
+    replicas share a node). Errors name the parameter and, where two settings
+    disagree, both values.
     """
 
     model: str = "tiny"
@@ -54,6 +58,7 @@ class EngineConfig:
     placement_strategy: str = "PACK"
     device: str = "auto"
     seed: int = 0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -87,6 +92,10 @@ class EngineConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidParameterError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.cpu_threads is not None and (
+            not isinstance(self.cpu_threads, int) or isinstance(self.cpu_threads, bool) or self.cpu_threads < 1
+        ):
+            raise InvalidParameterError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
         self.scheduler_config()  # validates the scheduling limits, naming both values
 
     @classmethod

@@ -33,7 +33,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
+import torch
 
+from actors.cpu_threads import engine_cpu_threads, set_cpu_threads
 from actors.engine import LLMEngine
 from actors.engine_config import EngineConfig
 from actors.engine_stats import EngineStats, LatencyWindow, snapshot
@@ -79,8 +81,12 @@ class SchedulerService:
         latency_window: int = 1024,
     ) -> None:
         self.config = config
-        # One thread for every executor call, so device state stays on one thread.
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        # One thread for every executor call, so device state stays on one thread. An
+        # in-process forward gets the node's cores (Ray would leave it one; actors.cpu_threads).
+        threads = engine_cpu_threads(config.cpu_threads) if config.executor == "local" else torch.get_num_threads()
+        set_cpu_threads(threads)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step",
+                                          initializer=set_cpu_threads, initargs=(threads,))
         self._engine = LLMEngine(config, (executor_factory or default_executor)(config))
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()

@@ -25,8 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from actors.cpu_threads import ray_reserved_cpus, set_cpu_threads
 from actors.distributed import (
     Rendezvous,
     destroy_distributed,
@@ -82,7 +81,8 @@ class ModelShardActor:
         self._runner: ModelRunner | None = None  # built by start(), once the process group exists
         self._info: ShardInfo | None = None
         self._channel: StepServer | None = None
-        _limit_threads()
+        # The node's shards share its cores: each uses the CPUs Ray gave it, unless configured.
+        set_cpu_threads(config.cpu_threads or max(1, int(ray_reserved_cpus())))
 
     def rendezvous(self) -> Rendezvous:
         """Rank 0's node IP and a free port there, for every rank's ``start``."""
@@ -144,18 +144,3 @@ def _node_id() -> str:
         return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""
     except ImportError:  # pragma: no cover - Ray is a dependency
         return ""
-
-
-def _limit_threads() -> None:
-    """Use as many intra-op threads as CPUs this actor was given (at least one).
-
-    The shards of one node share its cores; torch's default (every core)
-    would have them spin against each other inside every matmul.
-    """
-    try:
-        import ray
-
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    except Exception:  # noqa: BLE001 - outside Ray (a plain test): one thread
-        cpus = 1.0
-    torch.set_num_threads(max(1, int(cpus)))

@@ -23,8 +23,9 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+# Replicas share the node's cores: one torch thread each (their CPU reservations are fractional).
 ENGINE: dict[str, Any] = {"max_model_len": 2048, "max_num_batched_tokens": 512, "dtype": "float32",
-                          "device": "cpu"}
+                          "device": "cpu", "cpu_threads": 1}
 APP = "flotilla"  # with --url; local runs use one app name per run (see _main)
 
 

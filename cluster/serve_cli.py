@@ -37,6 +37,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sp.add_argument("--num-kv-pages", type=int, default=None)
     sp.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     sp.add_argument("--dtype", default=None)
+    sp.add_argument("--cpu-threads", type=int, default=None,
+                    help="torch threads of each replica's forward on CPU (default: every core; "
+                         "set it when several replicas share a node)")
     sp.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="shards per replica (implies the Ray executor when > 1)")
     sp.add_argument("--num-gpus", type=float, default=0.0,
@@ -100,7 +103,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_app`` arguments from the parsed command line (unset engine options keep defaults)."""
     out: dict[str, Any] = {"model": args.model, "num_replicas": args.replicas}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_pages",
-                 "kv_cache_memory_fraction", "dtype", "tensor_parallel_size"):
+                 "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads"):
         value = getattr(args, name)
         if value is not None:
             out[name] = value

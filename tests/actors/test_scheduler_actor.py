@@ -267,3 +267,19 @@ def test_silent_consumer_requests_are_aborted(config: EngineConfig) -> None:
     out, s = asyncio.run(scenario())
     assert out.outputs[0].finish_reason == "length" and s.num_unfinished_requests == 0
     assert s.num_kv_pages_locked == 0 and s.num_kv_pages_free + s.num_kv_pages_evictable == s.num_kv_pages_total
+
+
+@ray.remote
+def _threads_in_ray() -> tuple[float, int]:
+    from actors.cpu_threads import engine_cpu_threads, ray_reserved_cpus
+
+    return ray_reserved_cpus(), engine_cpu_threads(None)
+
+
+def test_cpu_threads_follow_the_ray_reservation(cluster: None) -> None:
+    """Whole reserved CPUs set the thread count; a fractional or empty reservation means every core."""
+    from actors.cpu_threads import usable_cores
+
+    assert _get(_threads_in_ray.options(num_cpus=2).remote()) == (2.0, 2)
+    reserved, threads = _get(_threads_in_ray.options(num_cpus=0.5).remote())
+    assert reserved == 0.5 and threads == usable_cores()

@@ -1,0 +1,30 @@
+"""``flotilla serve``'s command line becomes ``build_app`` arguments (no cluster started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.builder import build_app
+from cluster.cli import build_parser
+from cluster.serve_cli import app_args
+from scheduling.errors import InvalidParameterError
+
+
+def _args(*argv: str) -> dict[str, object]:
+    return app_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_cpu_threads_reach_the_engine_config() -> None:
+    args = _args("--model", "tiny", "--cpu-threads", "2")
+    assert args["cpu_threads"] == 2
+    build_app(args)  # validated like every engine option
+
+
+def test_unset_cpu_threads_keep_the_default() -> None:
+    assert "cpu_threads" not in _args("--model", "tiny")
+
+
+def test_bad_cpu_threads_are_refused_before_ray_starts() -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        build_app(_args("--model", "tiny", "--cpu-threads", "0"))
+    assert err.value.param == "cpu_threads"

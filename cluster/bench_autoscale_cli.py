@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -48,12 +49,12 @@ def add_bench_autoscale_parser(bench_subparsers: Any) -> argparse.ArgumentParser
     a.add_argument("--target-ongoing-requests", type=float, default=2.0, help="the default policy's target")
     a.add_argument("--upscale-delay-s", type=float, default=3.0)
     a.add_argument("--downscale-delay-s", type=float, default=15.0)
-    a.add_argument("--peak-rps", type=float, default=3.0)
+    a.add_argument("--peak-rps", type=float, default=6.0)
     a.add_argument("--idle-s", type=float, default=5.0)
     a.add_argument("--ramp-s", type=float, default=20.0)
-    a.add_argument("--plateau-s", type=float, default=30.0)
+    a.add_argument("--plateau-s", type=float, default=40.0)
     a.add_argument("--burst-s", type=float, default=10.0)
-    a.add_argument("--burst-factor", type=float, default=2.0)
+    a.add_argument("--burst-factor", type=float, default=1.5)
     a.add_argument("--cooldown-s", type=float, default=30.0)
     a.add_argument("--settle-s", type=float, default=90.0, help="extra seconds to wait for the minimum")
     a.add_argument("--prompt-chars", type=int, default=64)
@@ -209,22 +210,25 @@ def _main(args: argparse.Namespace) -> int:
         results[label] = {**summary, **({"samples": samples} if args.samples else {})}
         timelines[f"policy: {label}"] = samples
 
-    if args.url:
-        one(labels[0], args.url.rstrip("/"))
-    else:
-        from ray import serve
+    # With --json, stdout carries the JSON alone: what Ray prints meanwhile (its teardown
+    # messages included) goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        if args.url:
+            one(labels[0], args.url.rstrip("/"))
+        else:
+            from ray import serve
 
-        with local_ray(args.num_cpus) as port:
-            for label in labels:
-                if routing:
-                    extra: dict[str, Any] = {"num_replicas": args.replicas, "request_router": label}
-                else:
-                    extra = {"autoscaling": autoscaling_args(args, label)}
-                # A fresh app name per run: the proxy keeps one handle (and so one request
-                # router) per deployment id, even across delete and redeploy.
-                name = f"{APP}-{args.mode}-{label}"
-                one(label, deploy(app_args(args, **extra), port, name), name)
-                serve.delete(name)
+            with local_ray(args.num_cpus) as port:
+                for label in labels:
+                    if routing:
+                        extra: dict[str, Any] = {"num_replicas": args.replicas, "request_router": label}
+                    else:
+                        extra = {"autoscaling": autoscaling_args(args, label)}
+                    # A fresh app name per run: the proxy keeps one handle (and so one request
+                    # router) per deployment id, even across delete and redeploy.
+                    name = f"{APP}-{args.mode}-{label}"
+                    one(label, deploy(app_args(args, **extra), port, name), name)
+                    serve.delete(name)
     out: dict[str, Any] = {"mode": args.mode, "runs": results}
     if timelines and args.png:
         from cluster.bench_autoscale_plot import plot_timeline

@@ -39,8 +39,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# One torch thread on both sides: the engine inside Ray's actor runs with OMP_NUM_THREADS=1, and
-# two OpenMP threads on a 2-core machine that also runs the client collapse under contention.
+# One torch thread on both sides (the server's engine via --cpu-threads 1): two OpenMP threads
+# of the tiny model on a 2-core machine that also runs the client collapse under contention.
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
 
 
@@ -96,7 +96,7 @@ def http_side(model: str, workload: Path, runs: int) -> list[dict[str, float]]:
     env = dict(ONE_THREAD)
     env.pop("RAY_ADDRESS", None)
     server = subprocess.Popen([str(BIN / "flotilla"), "serve", "--model", model, "--port", str(port),
-                               "--max-num-seqs", "64"], cwd=ROOT, env=env,
+                               "--max-num-seqs", "64", "--cpu-threads", "1"], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(url, server)

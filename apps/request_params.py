@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -52,7 +52,42 @@ def parse_request(
     if not isinstance(data, dict):
         kind = _JSON_KINDS.get(type(data), type(data).__name__)
         raise APIError(400, f"the request body must be a JSON object, got {kind}")
+    where = lone_surrogate_path(data)
+    if where is not None:
+        raise APIError(400, "a string holds a lone UTF-16 surrogate escape (such as \\ud800): "
+                            "it is not text and cannot be tokenized", param=where or None)
     return model_cls.model_validate(data)
+
+
+def lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of the first string (or key) with a lone surrogate, or None.
+
+    JSON may escape one (``"\\ud800"``) and ``json.loads`` keeps it, but such a
+    string is not valid Unicode text: tokenizers refuse it deep inside.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _encodable(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                sub = f"{path}.{key}" if path else str(key)
+                if not _encodable(str(key)):
+                    return path
+                stack.append((sub, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_model(requested: str | None, served: str | Sequence[str]) -> str:

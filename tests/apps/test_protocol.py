@@ -278,3 +278,24 @@ def test_official_client_round_trip() -> None:
     )
     got = list(stream)
     assert got[0].choices[0].delta.content == "a" and got[-1].choices == [] and got[-1].usage is not None
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+     "messages.0.content.0.text"),
+    (b'{"prompt": ["ok", "\\ud83d"]}', "prompt.1"),
+    (b'{"prompt": "x", "stop": ["\\udc00"]}', "stop.0"),
+])
+def test_lone_surrogates_are_refused_with_their_path(body: bytes, param: str) -> None:
+    """JSON can escape half a UTF-16 pair; it is not text, so 400 naming where, not a tokenizer crash."""
+    model = P.ChatCompletionRequest if b"messages" in body else P.CompletionRequest
+    with pytest.raises(APIError) as info:
+        parse_request(body, model)
+    err = refused(info.value)
+    assert err["param"] == param and "surrogate" in err["message"]
+
+
+def test_paired_surrogates_and_other_unicode_pass() -> None:
+    req = parse_request('{"prompt": "\\ud83d\\ude00 é \\u0000 ok"}'.encode(), P.CompletionRequest)
+    assert req.prompt == "\U0001F600 é \x00 ok"

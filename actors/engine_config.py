@@ -39,8 +39,8 @@ class EngineConfig:
     uses on CPU; None: the whole CPUs Ray reserved for that actor, or, when
     it reserved none, every core the process may run on (set it when several
     replicas share a node). With the Ray executor each shard uses
-    ``cpu_threads`` too, else the CPUs reserved for it (one). Errors name the parameter and, where two settings
-    disagree, both values.
+    ``cpu_threads`` too, else the CPUs reserved for it (one). Errors name
+    the parameter and, where two settings disagree, both values.
     """
 
     model: str = "tiny"

@@ -32,7 +32,7 @@ from typing import Any
 
 from actors.engine_stats import EngineStats, percentile
 from actors.outputs import SequenceDelta
-from cluster.autoscaling import autoscaling_stats
+from cluster.autoscaling_metrics import autoscaling_stats
 from cluster.request_router import ROUTING_NUM_OPEN
 
 STATS_TIMEOUT_S = 5.0  # below Serve's 10 s limit on record_autoscaling_stats

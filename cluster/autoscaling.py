@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from actors.engine_stats import EngineStats
+from cluster.autoscaling_metrics import ReplicaLoad, loads_from_metrics
 from scheduling.errors import InvalidParameterError
 
 if TYPE_CHECKING:
@@ -46,12 +46,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ray.serve")
 
-# Keys of the custom metrics a replica reports through ``record_autoscaling_stats``.
-METRIC_NUM_WAITING = "flotilla_num_waiting"
-METRIC_NUM_RUNNING = "flotilla_num_running"
-METRIC_KV_USAGE = "flotilla_kv_usage"
-METRIC_TTFT_P95_MS = "flotilla_ttft_ms_p95"
-METRIC_TPOT_P95_MS = "flotilla_tpot_ms_p95"
 # Where this policy keeps its own state inside Serve's ``policy_state`` dict
 # (Serve adds its own delay-counter keys beside it).
 STATE_KEY = "flotilla_policy_state"
@@ -94,17 +88,6 @@ class AutoscalingConfig:
             raise InvalidParameterError("headroom", f"must be in (0, 1), got {self.headroom}")
         if self.max_step_up < 1:
             raise InvalidParameterError("max_step_up", f"must be >= 1, got {self.max_step_up}")
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaLoad:
-    """What one replica reports: queue, batch, KV use (0..1) and latency P95s in ms."""
-
-    num_waiting: float = 0.0
-    num_running: float = 0.0
-    kv_usage: float = 0.0
-    ttft_p95_ms: float = 0.0
-    tpot_p95_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,47 +191,6 @@ def decide(
     # Dead band (or no evidence): hold and forget both timers.
     why = "no replica reported load" if not loads else f"pressure {p:.2f} within band"
     return Decision(n, PolicyState(None, None, n, state.last_change_at), f"hold: {why}")
-
-
-def autoscaling_stats(stats: EngineStats) -> dict[str, float]:
-    """The metrics a replica returns from ``record_autoscaling_stats``.
-
-    KV use counts only pages owned or pinned by running requests: prefix-cache
-    pages that can be evicted at once are free capacity, not load.
-    """
-    total = stats.num_kv_pages_total
-    busy = stats.num_kv_pages_used - stats.num_kv_pages_evictable
-    return {
-        METRIC_NUM_WAITING: float(stats.num_waiting),
-        METRIC_NUM_RUNNING: float(stats.num_running),
-        METRIC_KV_USAGE: busy / total if total > 0 else 0.0,
-        METRIC_TTFT_P95_MS: stats.ttft_ms_p95,
-        METRIC_TPOT_P95_MS: stats.tpot_ms_p95,
-    }
-
-
-def loads_from_metrics(metrics: dict[str, dict[Any, float]] | None) -> list[ReplicaLoad]:
-    """Per-replica loads from ``ctx.aggregated_metrics`` (metric -> replica -> value).
-
-    A replica appears once it has reported ``METRIC_NUM_WAITING``; a metric it
-    has not reported yet reads as 0.
-    """
-    metrics = metrics or {}
-    waiting = metrics.get(METRIC_NUM_WAITING, {})
-
-    def get(key: str, replica: Any) -> float:
-        return float(metrics.get(key, {}).get(replica, 0.0))
-
-    return [
-        ReplicaLoad(
-            num_waiting=float(waiting[r]),
-            num_running=get(METRIC_NUM_RUNNING, r),
-            kv_usage=get(METRIC_KV_USAGE, r),
-            ttft_p95_ms=get(METRIC_TTFT_P95_MS, r),
-            tpot_p95_ms=get(METRIC_TPOT_P95_MS, r),
-        )
-        for r in waiting
-    ]
 
 
 class SLOAutoscalingPolicy:

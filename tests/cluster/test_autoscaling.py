@@ -12,17 +12,19 @@ from hypothesis import strategies as st
 
 from actors.engine_stats import EngineStats
 from cluster.autoscaling import (
-    METRIC_NUM_WAITING,
-    METRIC_TTFT_P95_MS,
     STATE_KEY,
     AutoscalingConfig,
     PolicyState,
-    ReplicaLoad,
     SLOAutoscalingPolicy,
-    autoscaling_stats,
     decide,
-    loads_from_metrics,
     pressure,
+)
+from cluster.autoscaling_metrics import (
+    METRIC_NUM_WAITING,
+    METRIC_TTFT_P95_MS,
+    ReplicaLoad,
+    autoscaling_stats,
+    loads_from_metrics,
 )
 from scheduling.errors import InvalidParameterError
 

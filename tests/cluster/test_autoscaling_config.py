@@ -13,15 +13,13 @@ from actors.outputs import SequenceDelta, SequenceTiming
 from apps.builder import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, deployment_options, split_args
 from apps.replica_stats import RecentLatency, ReplicaStats
 from cluster.autoscaling import (
-    METRIC_NUM_WAITING,
-    METRIC_TTFT_P95_MS,
     POLICY_PATH,
     AutoscalingConfig,
     PolicyState,
-    ReplicaLoad,
     decide,
     serve_autoscaling_config,
 )
+from cluster.autoscaling_metrics import METRIC_NUM_WAITING, METRIC_TTFT_P95_MS, ReplicaLoad
 from cluster.request_router import ROUTER_CLASS
 from scheduling.errors import InvalidParameterError
 
@@ -136,7 +134,8 @@ def test_replica_reports_recent_latency_and_routing_load() -> None:
 
 
 def test_pending_scale_up_is_cancelled_once_the_load_is_gone() -> None:
-    from cluster.autoscaling import METRIC_NUM_RUNNING, STATE_KEY, SLOAutoscalingPolicy
+    from cluster.autoscaling import STATE_KEY, SLOAutoscalingPolicy
+    from cluster.autoscaling_metrics import METRIC_NUM_RUNNING
 
     policy = SLOAutoscalingPolicy(upscale_delay_s=0, downscale_delay_s=10)
     idle = {METRIC_NUM_WAITING: {"a": 0.0}, METRIC_NUM_RUNNING: {"a": 0.0}}

@@ -5,13 +5,30 @@ CPUs, so without this a scheduler actor would run its forward on one core
 however many the node has. The rule (``engine_cpu_threads``): the configured
 number; else the whole CPUs Ray reserved for this actor; else every core this
 process may run on, which is torch's own default outside Ray.
+
+One OpenMP team per process: torch's CPU kernels run on the OpenMP thread
+team of the thread that calls them, and each thread that runs parallel work
+keeps its own team for life. Once a process holds more team threads than
+cores (GNU OpenMP counts idle teams too), the library cuts its spin-wait
+from about 300,000 rounds to 1,000, so the forward's workers sleep and are
+woken at every op. So the thread that runs the forward also loads the model
+(``SchedulerService``), or the loading runs on a thread that then ends
+(``call_on_new_thread``, for shards). ``scripts/bench_openmp_team.py``
+measures it: on this project's 2-core host, ``small`` at 2 threads, a
+decode step took 11.8 ms (median of 3 runs) with one team against 14.1 ms
+with the model loaded on another live thread.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def usable_cores() -> int:
@@ -45,3 +62,27 @@ def set_cpu_threads(threads: int) -> None:
     """Set torch's intra-op threads for the calling thread and the threads it starts."""
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+def call_on_new_thread(fn: Callable[[], T], threads: int) -> T:
+    """``fn()`` on a new thread using ``threads`` torch threads; returns its value or raises its error.
+
+    The thread, and the OpenMP team it started, end before this returns, so a
+    forward on another thread later is the process's only team (see above).
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        set_cpu_threads(threads)
+        try:
+            result.append(fn())
+        except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
+            error.append(err)
+
+    worker = threading.Thread(target=run, name="torch-setup")
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return result[0]

@@ -84,10 +84,12 @@ class SchedulerService:
         # One thread for every executor call, so device state stays on one thread. An
         # in-process forward gets the node's cores (Ray would leave it one; actors.cpu_threads).
         threads = engine_cpu_threads(config.cpu_threads) if config.executor == "local" else torch.get_num_threads()
-        set_cpu_threads(threads)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step",
                                           initializer=set_cpu_threads, initargs=(threads,))
-        self._engine = LLMEngine(config, (executor_factory or default_executor)(config))
+        # The engine is built on that thread too: loading runs torch's parallel code, and
+        # on any other thread it would leave a second OpenMP team (actors.cpu_threads).
+        factory = executor_factory or default_executor
+        self._engine = self._thread.submit(lambda: LLMEngine(config, factory(config))).result()
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._latency = LatencyWindow(latency_window)

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.cpu_threads import ray_reserved_cpus, set_cpu_threads
+from actors.cpu_threads import call_on_new_thread, ray_reserved_cpus, set_cpu_threads
 from actors.distributed import (
     Rendezvous,
     destroy_distributed,
@@ -82,7 +82,8 @@ class ModelShardActor:
         self._info: ShardInfo | None = None
         self._channel: StepServer | None = None
         # The node's shards share its cores: each uses the CPUs Ray gave it, unless configured.
-        set_cpu_threads(config.cpu_threads or max(1, int(ray_reserved_cpus())))
+        self._threads = config.cpu_threads or max(1, int(ray_reserved_cpus()))
+        set_cpu_threads(self._threads)
 
     def rendezvous(self) -> Rendezvous:
         """Rank 0's node IP and a free port there, for every rank's ``start``."""
@@ -94,7 +95,11 @@ class ModelShardActor:
         if self.world_size > 1:
             init_distributed(rendezvous, rank=self.rank, world_size=self.world_size, device=device)
         try:
-            runner = ModelRunner(self.config, rank=self.rank, world_size=self.world_size)
+            # Loaded on a thread that then ends: the forward runs on serve_steps' thread,
+            # and one OpenMP team per process keeps its workers spinning (actors.cpu_threads).
+            runner = call_on_new_thread(
+                lambda: ModelRunner(self.config, rank=self.rank, world_size=self.world_size), self._threads
+            )
         except InvalidParameterError as err:
             raise ShardConfigError(err.param, err.message) from None
         self._runner = runner
@@ -122,6 +127,7 @@ class ModelShardActor:
         channel, self._channel = self._channel, None
         if channel is None:
             raise RuntimeError(f"shard rank {self.rank}: serve_steps() before open_channel()")
+        set_cpu_threads(self._threads)  # Ray runs this call on whichever of the actor's threads is free
         return channel.serve(self.execute)
 
     def ping(self) -> ShardInfo:

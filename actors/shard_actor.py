@@ -82,8 +82,8 @@ class ModelShardActor:
         self._info: ShardInfo | None = None
         self._channel: StepServer | None = None
         # The node's shards share its cores: each uses the CPUs Ray gave it, unless configured.
+        # Set where torch runs: the loading thread (start) and serve_steps' thread.
         self._threads = config.cpu_threads or max(1, int(ray_reserved_cpus()))
-        set_cpu_threads(self._threads)
 
     def rendezvous(self) -> Rendezvous:
         """Rank 0's node IP and a free port there, for every rank's ``start``."""

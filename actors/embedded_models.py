@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from actors.model_cache import build_once, models_dir, update_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -89,11 +88,6 @@ def spec_hash(name: str) -> str:
     """Short hash of everything that determines the files of ``name``."""
     blob = json.dumps({"name": name, "spec": asdict(_spec_of(name)), "recipe": _RECIPE_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def cache_dir() -> Path:
-    """``$FLOTILLA_CACHE_DIR`` or ``~/.cache/flotilla``."""
-    return Path(os.environ.get("FLOTILLA_CACHE_DIR") or Path.home() / ".cache" / "flotilla").expanduser()
 
 
 def hf_config_dict(name: str) -> dict[str, object]:
@@ -195,40 +189,18 @@ def _write_model(name: str, folder: Path) -> None:
     model.save_pretrained(folder, safe_serialization=True)
     build_tokenizer().save_pretrained(folder)
     # Readers on transformers 4 (e.g. a vLLM peer) look for these older keys.
-    _update_json(folder / "config.json", {"rope_theta": 10000.0})
-    _update_json(
+    update_json(folder / "config.json", {"rope_theta": 10000.0})
+    update_json(
         folder / "tokenizer_config.json",
         {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE},
     )
 
 
-def _update_json(path: Path, updates: dict[str, object]) -> None:
-    data = json.loads(path.read_text())
-    data.update(updates)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
 def ensure_embedded_model(name: str, *, root: Path | None = None) -> Path:
     """Return the folder of embedded model ``name``, building it on first use.
 
-    ``root`` overrides the cache folder (default ``cache_dir()``). Safe under
-    concurrency: each builder writes a private temp folder and renames it into
-    place; a loser of the race discards its copy.
+    ``root`` overrides the cache folder (default ``cache_dir()``); concurrent
+    callers are safe (``model_cache.build_once``).
     """
     _spec_of(name)
-    models_dir = (root or cache_dir()) / "models"
-    final = models_dir / f"{name}-{spec_hash(name)}"
-    if final.is_dir():
-        return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models_dir))
-    try:
-        _write_model(name, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(models_dir(root) / f"{name}-{spec_hash(name)}", lambda tmp: _write_model(name, tmp))

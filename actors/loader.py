@@ -1,7 +1,8 @@
 """Find a model, build our implementation of it, and stream its weights in.
 
-``model`` may be a local Hugging Face folder, an embedded model name
-(``tiny``, ``small``) or a hub id. Weights are read tensor by tensor from
+``model`` may be a local Hugging Face folder, a ``.gguf`` file, an embedded
+model name (``tiny``, ``small``), a preset (``smollm2-135m``) or a hub id.
+GGUF files and presets are converted once into a folder in the model cache. Weights are read tensor by tensor from
 safetensors files (single or sharded), falling back to ``pytorch_model*.bin``.
 """
 
@@ -22,8 +23,10 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from actors.embedded_models import EMBEDDED_MODELS, ensure_embedded_model
+from actors.gguf.convert import ensure_gguf_folder
 from actors.models.llama import LlamaForCausalLM
 from actors.models.registry import resolve_architecture
+from actors.presets import PRESETS, ensure_preset
 from scheduling.errors import InvalidParameterError
 
 # Files a hub download needs; skips e.g. original/*.pth consolidated copies.
@@ -49,17 +52,22 @@ class LoadedModel:
 def resolve_model_path(model: str) -> Path:
     """Turn a ``model`` setting into a local Hugging Face model folder.
 
-    Order: an existing folder; an embedded name; a hub id via
+    Order: an existing folder; a ``.gguf`` file (converted once); an embedded
+    name; a preset name (converted once from its package); a hub id via
     ``huggingface_hub.snapshot_download`` (cache only when ``HF_HUB_OFFLINE``
     is set, and as a fallback when the hub cannot be reached).
     """
     local = Path(model).expanduser()
     if local.is_dir():
         return local
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        return ensure_gguf_folder(local)
     if model in EMBEDDED_MODELS:
         return ensure_embedded_model(model)
+    if model in PRESETS:
+        return ensure_preset(model)
     if local.exists() or model.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"{model!r} is not a model folder")
+        raise ModelNotFoundError(f"{model!r} is not a model folder or a .gguf file")
     from huggingface_hub import snapshot_download
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
@@ -70,7 +78,8 @@ def resolve_model_path(model: str) -> Path:
         except Exception as e:  # noqa: BLE001 - any hub failure becomes one user error
             errors.append(f"{type(e).__name__}: {e}")
     raise ModelNotFoundError(
-        f"{model!r} is neither a local folder, an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+        f"{model!r} is neither a local folder, a .gguf file, an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+        f"a preset ({', '.join(PRESETS)}), "
         f"nor a hub id that can be reached or is cached ({errors[-1].splitlines()[0]})"
     )
 

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.set_defaults(func=_bench_scheduler)
 
     off = bench_sub.add_parser("offline", help="offline throughput on a JSONL workload")
-    off.add_argument("--model", default="tiny", help="model folder, hub id, or tiny/small")
+    off.add_argument("--model", default="tiny", help="model folder, .gguf file, hub id, tiny/small, or smollm2-135m")
     off.add_argument("--workload", required=True, help="JSONL file (make_workload.py format)")
     off.add_argument("--max-num-seqs", type=int, default=64)
     off.add_argument("--max-model-len", type=int, default=2048)
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=_bench_offline)
 
     rov = bench_sub.add_parser("ray-overhead", help="in-process engine vs the SchedulerActor on Ray")
-    rov.add_argument("--model", default="tiny", help="model folder, hub id, or tiny/small")
+    rov.add_argument("--model", default="tiny", help="model folder, .gguf file, hub id, tiny/small, or smollm2-135m")
     rov.add_argument("--workload", required=True, help="JSONL file (make_workload.py format)")
     rov.add_argument("--executor", choices=("local", "ray"), default="local",
                      help="the actor's executor: in-actor (local) or one RayExecutor shard")

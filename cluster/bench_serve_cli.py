@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.bench_serve_datasets import DATASETS
 from scheduling.errors import InvalidParameterError
 
 DEFAULTS: dict[str, Any] = {
@@ -41,7 +42,7 @@ def add_bench_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     sp.add_argument("--config", default=s, help="YAML file of settings (keys: these flags with _)")
     sp.add_argument("--base-url", default=s, help=f"server root (default {DEFAULTS['base_url']})")
     sp.add_argument("--model", default=s, help="model name to send (default: first of /v1/models)")
-    sp.add_argument("--dataset", default=s, choices=("random", "shared-prefix", "multi-turn", "jsonl"))
+    sp.add_argument("--dataset", default=s, choices=DATASETS)
     sp.add_argument("--num-prompts", type=int, default=s, help="requests (random, jsonl)")
     sp.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=s)
     sp.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=s)

@@ -1,10 +1,12 @@
-"""Request sets for ``flotilla bench serve``: random, shared-prefix, multi-turn chat, or a JSONL file.
+"""Request sets for ``flotilla bench serve``: random, shared-prefix, multi-turn, real-text chat, or JSONL.
 
 Every generator is deterministic for a seed, so one config reproduces a run.
 Prompts are token ids drawn from ``[0, vocab)`` (exact lengths for any
 tokenizer that accepts ids, as vLLM's and flotilla's completions APIs do) or,
 with ``prompt_format="text"``, lowercase words of about one token per letter
-on byte-level tokenizers. Multi-turn chat always sends text messages.
+on byte-level tokenizers. Multi-turn chat always sends text messages. ``chat``
+sends real English (``cluster/bench_chat_texts.py``) for a trained model: an
+instruction alone, or 1-4 passages and a question about them.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.bench_chat_texts import INSTRUCTIONS, PASSAGES, QUESTIONS_ABOUT_TEXT
 from cluster.bench_offline import read_workload
 from scheduling.errors import InvalidParameterError
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+DATASETS = ("random", "shared-prefix", "multi-turn", "chat", "jsonl")
+# Passages a chat prompt quotes at most (each about 60-80 tokens of SmolLM2's BPE).
+MAX_CHAT_PASSAGES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +152,27 @@ def multi_turn_requests(cfg: DatasetConfig) -> list[BenchRequest]:
     return out
 
 
+def chat_requests(cfg: DatasetConfig) -> list[BenchRequest]:
+    """``num_prompts`` single-turn chats of real text, ``max_tokens`` drawn from ``output_len``.
+
+    A third are instructions alone (about 10-20 tokens plus the chat template);
+    the rest quote 1-4 passages and ask about them (up to about 400 tokens with the template).
+    ``input_len`` is not used: the lengths are those of the text.
+    """
+    rng = random.Random(cfg.seed)
+    out = []
+    for _ in range(cfg.num_prompts):
+        num_passages = rng.randint(1, MAX_CHAT_PASSAGES) if rng.random() < 2 / 3 else 0
+        if num_passages:
+            quoted = "\n\n".join(rng.sample(PASSAGES, num_passages))
+            content = f"{quoted}\n\n{rng.choice(QUESTIONS_ABOUT_TEXT)}"
+        else:
+            content = rng.choice(INSTRUCTIONS)
+        out.append(BenchRequest(rng.randint(*cfg.output_len), messages=[{"role": "user", "content": content}],
+                                num_prompt_tokens=len(content) // 4))  # ~4 characters a BPE token
+    return out
+
+
 def jsonl_requests(cfg: DatasetConfig) -> list[BenchRequest]:
     """A make_workload.py file: ``{"prompt_token_ids": [...], "max_tokens": N}`` per line (first ``num_prompts``)."""
     assert cfg.path is not None
@@ -158,5 +184,5 @@ def jsonl_requests(cfg: DatasetConfig) -> list[BenchRequest]:
 def build_requests(cfg: DatasetConfig) -> list[BenchRequest]:
     """The requests ``cfg`` describes, in sending order."""
     build = {"random": random_requests, "shared-prefix": shared_prefix_requests,
-             "multi-turn": multi_turn_requests, "jsonl": jsonl_requests}[cfg.name]
+             "multi-turn": multi_turn_requests, "chat": chat_requests, "jsonl": jsonl_requests}[cfg.name]
     return build(cfg)

@@ -6,7 +6,14 @@ greedily with ignore_eos, in fp32, each in its own process, interleaved
 run by run so that machine noise hits all of them alike. Prints one JSON
 object with every run and the medians, then a Markdown table.
 
-    .venv/bin/python scripts/bench_offline_compare.py --runs 3 --models tiny small
+    .venv/bin/python scripts/bench_offline_compare.py --runs 3 --models tiny small smollm2-135m
+    .venv/bin/python scripts/bench_offline_compare.py --runs 3 --models smollm2-135m --workload-kind chat
+
+``--workload-kind chat`` replaces the random token ids with the ``chat``
+dataset of ``flotilla bench serve`` (64 real-English chats), rendered through
+each model's chat template into token ids, with ``max_tokens`` 64-256. The
+peers run every workload with ignore_eos, so all engines still generate the
+same number of tokens (past the model's end of turn).
 
 Peers live in ../shared/peers; vLLM's CPU build in a venv made by
 ``make peer-vllm`` (git-ignored ``.peer-vllm``); without it vLLM is skipped.
@@ -22,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from actors.loader import load_tokenizer, resolve_model_path
+from cluster.bench_serve_datasets import DatasetConfig, build_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,11 +55,23 @@ def _run(cmd: list[str], timeout: float) -> dict[str, Any]:
     return out
 
 
+def _chat_workload(model_dir: Path, out: Path) -> Path:
+    """The ``chat`` serving dataset as a token-id JSONL for ``model_dir``'s tokenizer and template."""
+    tok = load_tokenizer(model_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for req in build_requests(DatasetConfig(name="chat", num_prompts=64, output_len=(64, 256))):
+            ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+            f.write(json.dumps({"prompt_token_ids": list(ids["input_ids"]), "max_tokens": req.max_tokens}) + "\n")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny", "small"])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--workload", default=".bench/workload.jsonl")
+    ap.add_argument("--workload", default=".bench/workload.jsonl", help="the random workload (written if missing)")
+    ap.add_argument("--workload-kind", choices=("random", "chat"), default="random")
     ap.add_argument("--peers", default=str(ROOT.parent / "shared" / "peers"))
     ap.add_argument("--vllm-venv", default=str(ROOT / ".peer-vllm"))
     ap.add_argument("--hf-batch", type=int, default=16)
@@ -64,8 +86,6 @@ def main() -> int:
     if not workload.exists():
         workload.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([py, str(peers / "make_workload.py"), str(workload), "--seed", "0"], check=True)
-    from actors.embedded_models import ensure_embedded_model
-
     vllm_py = Path(a.vllm_venv) / "bin" / "python"
     engines = list(a.engines)
     if "vllm-cpu" in engines and not vllm_py.exists():
@@ -74,7 +94,9 @@ def main() -> int:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {e: [] for e in engines} for m in a.models}
     for r in range(a.runs):
         for model in a.models:
-            path = str(ensure_embedded_model(model))
+            path = str(resolve_model_path(model))
+            if a.workload_kind == "chat":
+                workload = _chat_workload(Path(path), ROOT / ".bench" / f"chat_workload_{model}.jsonl")
             cmds = {
                 "flotilla": [py, "-m", "cluster.cli", "bench", "offline", "--model", path,
                              "--workload", str(workload)],
@@ -86,7 +108,8 @@ def main() -> int:
                 runs[model][engine].append(res)
                 print(f"run {r + 1}/{a.runs} {model} {engine}: {res['output_tok_per_s']} tok/s",
                       file=sys.stderr, flush=True)
-    summary: dict[str, Any] = {"workload": str(workload), "runs": a.runs, "models": {}}
+    summary: dict[str, Any] = {"workload": str(workload), "workload_kind": a.workload_kind, "runs": a.runs,
+                               "models": {}}
     for model in a.models:
         med = {e: statistics.median(x["output_tok_per_s"] for x in runs[model][e]) for e in engines}
         entry: dict[str, Any] = {"median_output_tok_per_s": med, "runs": runs[model]}

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # flotilla serve vs vLLM's CPU build on the same model folder, one server at a time, one config:
-#   bash scripts/bench_serve_vs_vllm.sh [MODEL=small] [OUT_DIR=.bench/serve]
+#   bash scripts/bench_serve_vs_vllm.sh [MODEL=small] [OUT_DIR=.bench/serve] [CONFIG=scripts/bench_serve_compare.yaml]
+# MODEL is anything flotilla loads (tiny, small, smollm2-135m, a folder, a .gguf file); vLLM gets its folder.
+# The real model with real chats: bash scripts/bench_serve_vs_vllm.sh smollm2-135m .bench/chat scripts/bench_serve_chat.yaml
 # Needs `make peer-vllm` (the .peer-vllm venv). Writes flotilla.json, vllm.json (+ PNGs) under
 # OUT_DIR and prints the comparison table (flotilla as "new", vLLM as "base").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-model_name=${1:-small} out=${2:-.bench/serve}
+model_name=${1:-small} out=${2:-.bench/serve} config=${3:-scripts/bench_serve_compare.yaml}
 mkdir -p "$out"
-model=$(.venv/bin/python -c "from actors.embedded_models import ensure_embedded_model as e; print(e('$model_name'))")
+model=$(.venv/bin/python -c "from actors.loader import resolve_model_path as r; print(r('$model_name'))")
 export RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1
 pid=""
 stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }
@@ -20,7 +22,7 @@ wait_up() {  # bounded: 600 s for a server to answer /health
   done
   return 1
 }
-bench() { .venv/bin/flotilla bench serve --config scripts/bench_serve_compare.yaml --base-url "$1" \
+bench() { .venv/bin/flotilla bench serve --config "$config" --base-url "$1" \
             --out "$out/$2.json" --plot "$out/$2.png" > /dev/null; }
 
 .venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \

@@ -36,6 +36,8 @@ from actors.model_cache import build_once, models_dir, update_json
 # Bump when the folder a GGUF file converts to would change.
 CONVERTER_VERSION = 1
 SOURCE_FILE = "gguf_source.json"
+# float32 shards of the converted folder: bounded memory while converting a large model.
+SHARD_BYTES = 2 << 30
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
 
@@ -136,8 +138,7 @@ def write_folder(g: GGUFFile, folder: Path, *, progress: bool | None = None) -> 
     if progress is None:
         progress = sys.stderr.isatty()
     config = hf_config(g)
-    state = dict(iter_hf_tensors(g, config, progress=progress))
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_weights(iter_hf_tensors(g, config, progress=progress), folder)
     config.save_pretrained(folder)
     # Readers on transformers 4 (e.g. a vLLM peer) look for the older rope key.
     update_json(folder / "config.json", {"rope_theta": _rope_theta(g), "torch_dtype": "float32"})
@@ -150,6 +151,40 @@ def write_folder(g: GGUFFile, folder: Path, *, progress: bool | None = None) -> 
     (folder / SOURCE_FILE).write_text(json.dumps(
         {"gguf": str(g.path.resolve()), "converter_version": CONVERTER_VERSION, "tensor_types": types},
         indent=2, sort_keys=True) + "\n")
+
+
+def _write_weights(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
+    """Stream tensors into safetensors shards of at most ``SHARD_BYTES`` (one file when it fits).
+
+    Memory stays at about one shard, not the whole float32 model.
+    """
+    groups: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def save() -> None:
+        groups.append(list(shard))
+        save_file(shard, str(folder / f"shard-{len(groups):05d}.safetensors"), metadata={"format": "pt"})
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > SHARD_BYTES:
+            save()
+            size = 0
+        shard[name] = tensor
+        size += nbytes
+    save()
+    if len(groups) == 1:
+        (folder / "shard-00001.safetensors").rename(folder / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(groups, start=1):
+        file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        (folder / f"shard-{i:05d}.safetensors").rename(folder / file)
+        weight_map.update(dict.fromkeys(names, file))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
 
 
 def _write_tokenizer(g: GGUFFile, folder: Path) -> None:

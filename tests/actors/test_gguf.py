@@ -11,10 +11,11 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from actors.gguf import convert
 from actors.gguf.convert import ensure_gguf_folder, gguf_source
 from actors.gguf.dequant import SUPPORTED_TYPES, dequantize
 from actors.gguf.reader import GGUFError, GGUFTensor, read_gguf
-from actors.loader import resolve_model_path
+from actors.loader import checkpoint_files, resolve_model_path
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.gguf_files import T, encode, write_llama_gguf
@@ -135,3 +136,17 @@ def test_unknown_tensor_name_is_named(gguf_dir: Path) -> None:
     writer.close()
     with pytest.raises(GGUFError, match="'blk.0.mystery.weight' has no Llama counterpart"):
         ensure_gguf_folder(path, root=gguf_dir / "cache")
+
+
+def test_large_models_convert_into_shards(gguf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model bigger than one shard is written as an indexed set of shards that loads the same."""
+    path = write_llama_gguf(gguf_dir / "sharded-q8.gguf", T.Q8_0, seed=4)
+    whole = load_file(str(ensure_gguf_folder(path, root=gguf_dir / "cache_whole") / "model.safetensors"))
+    monkeypatch.setattr(convert, "SHARD_BYTES", 600_000)  # ~ two of the 512x256 float32 matrices
+    folder = ensure_gguf_folder(path, root=gguf_dir / "cache_sharded")
+    files = checkpoint_files(folder)
+    assert len(files) > 3 and not (folder / "model.safetensors").exists()
+    sharded: dict[str, torch.Tensor] = {}
+    for file in files:
+        sharded.update(load_file(str(file)))
+    assert set(sharded) == set(whole) and all(torch.equal(sharded[k], whole[k]) for k in whole)

@@ -64,6 +64,23 @@ def test_multi_turn_history_grows_turn_by_turn() -> None:
                 assert earlier is not None and msgs[: len(earlier)] == earlier  # the same conversation
 
 
+def test_chat_dataset_sends_real_text_of_varied_length() -> None:
+    cfg = DatasetConfig(name="chat", num_prompts=64, output_len=(64, 256), seed=0)
+    reqs = build_requests(cfg)
+    assert len(reqs) == 64 and build_requests(cfg) == reqs
+    assert build_requests(DatasetConfig(name="chat", num_prompts=64, seed=1)) != reqs
+    contents = []
+    for r in reqs:
+        assert r.endpoint == "/v1/chat/completions" and r.messages is not None and len(r.messages) == 1
+        assert r.messages[0]["role"] == "user" and 64 <= r.max_tokens <= 256
+        contents.append(r.messages[0]["content"])
+    quoting = [c for c in contents if c.count("\n\n") >= 1]
+    assert 0.4 < len(quoting) / len(contents) < 0.9  # about two thirds quote passages, the rest are short asks
+    lengths = sorted(len(c) for c in contents)
+    assert lengths[0] < 80 and lengths[-1] > 1200  # ~20 to ~400 tokens with a chat template
+    assert all(c.isascii() and len(c.split()) >= 4 for c in contents)  # sentences, not ids
+
+
 def test_jsonl_dataset_reads_the_workload_format(tmp_path: Path) -> None:
     path = tmp_path / "w.jsonl"
     path.write_text("\n".join(json.dumps({"prompt_token_ids": [i, i + 1, 2], "max_tokens": i + 1})

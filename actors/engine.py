@@ -214,16 +214,19 @@ class LLMEngine:
         deltas: list[SequenceDelta] = []
         for req, token, row in update.sampled:
             seq = self._seqs[req.request_id]
-            text, stop_reason = seq.stop.on_token(token, seq.detokenizer.add(token))
+            text, stop_reason = _on_token(seq, token)
             done = req.request_id in finished_ids
             if stop_reason is not None and not done:
                 self.scheduler.finish(req.request_id, stop_reason)  # a stop string
                 done = True
             reason: str | None = None
             if done:
-                reason = stop_reason or req.finish_reason
                 if stop_reason is None:
-                    text += _flush(seq)  # ended by length: release held-back text
+                    # Ended by length: release held-back text, which may itself
+                    # complete a stop string (then the reason is "stop").
+                    tail, stop_reason = _flush(seq)
+                    text += tail
+                reason = stop_reason or req.finish_reason
             lp = output.logprobs[row]
             deltas.append(SequenceDelta(
                 seq.request_id, seq.index, [token], text,
@@ -252,11 +255,32 @@ def _timing(req: Request) -> SequenceTiming:
     )
 
 
-def _flush(seq: _Sequence) -> str:
-    """Text still held when a sequence ends by length: detokenizer tail, then stop hold-back."""
+def _on_token(seq: _Sequence, token: int) -> tuple[str, str | None]:
+    """Text one sampled token lets out, and "stop" if it or a stop string ends the sequence.
+
+    A stop token adds no text of its own, but the bytes the detokenizer held
+    back before it (a character still open, maybe with whole ones before it)
+    are flushed first and checked for stop strings like any other text.
+    """
+    if not seq.stop.is_stop_token(token):
+        return seq.stop.on_token(token, seq.detokenizer.add(token))
+    tail, reason = _check_tail(seq)
+    if reason is not None:
+        return tail, reason
+    text, reason = seq.stop.on_token(token, "")
+    return tail + text, reason
+
+
+def _flush(seq: _Sequence) -> tuple[str, str | None]:
+    """Text still held when a sequence ends by length, and "stop" if it completes a stop string."""
+    tail, reason = _check_tail(seq)
+    return (tail, reason) if reason is not None else (tail + seq.stop.finish(), None)
+
+
+def _check_tail(seq: _Sequence) -> tuple[str, str | None]:
+    """The detokenizer's held-back tail, through the stop strings."""
     tail = seq.detokenizer.flush()
-    emitted, _ = seq.stop.on_text(tail) if tail else ("", None)
-    return emitted + seq.stop.finish()
+    return seq.stop.on_text(tail) if tail else ("", None)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

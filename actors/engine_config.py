@@ -23,6 +23,10 @@ _DTYPES = {
 # Ray placement-group strategies for the tensor-parallel shards of one engine.
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 
+# Attention backends that exist. "flashinfer" is planned (the CUDA step) but
+# absent: asking for it is refused rather than quietly run on torch.
+ATTENTION_BACKENDS = ("auto", "torch")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -39,8 +43,11 @@ class EngineConfig:
     uses on CPU; None: the whole CPUs Ray reserved for that actor, or, when
     it reserved none, every core the process may run on (set it when several
     replicas share a node). With the Ray executor each shard uses
-    ``cpu_threads`` too, else the CPUs reserved for it (one). Errors name
-    the parameter and, where two settings disagree, both values.
+    ``cpu_threads`` too, else the CPUs reserved for it (one).
+    ``attention_backend``: ``torch`` (the paged-attention reference, on CPU
+    and CUDA) is the only backend today, so ``auto`` resolves to it;
+    ``flashinfer`` is refused until that backend exists. Errors name the
+    parameter and, where two settings disagree, both values.
     """
 
     model: str = "tiny"
@@ -74,9 +81,15 @@ class EngineConfig:
             raise InvalidParameterError("num_kv_pages", f"must be >= 1, got {self.num_kv_pages}")
         if self.tensor_parallel_size < 1:
             raise InvalidParameterError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+        if self.attention_backend == "flashinfer":
             raise InvalidParameterError(
-                "attention_backend", f"must be auto, torch or flashinfer, got {self.attention_backend!r}"
+                "attention_backend",
+                "flashinfer is not available yet (no FlashInfer backend is built in); "
+                "use 'torch' or 'auto', which both run the torch paged attention",
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidParameterError(
+                "attention_backend", f"must be auto or torch, got {self.attention_backend!r}"
             )
         if self.executor not in ("local", "ray"):
             raise InvalidParameterError("executor", f"must be 'local' or 'ray', got {self.executor!r}")
@@ -117,6 +130,10 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
+
+    def resolved_attention_backend(self) -> str:
+        """The backend that runs: ``torch`` (``auto`` has no other choice yet)."""
+        return "torch"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -25,7 +25,6 @@ from kvcache.kv_pool import (
 )
 from kvcache.torch_attention import TorchPagedAttention
 from scheduling.batch import Batch, StepOutput
-from scheduling.errors import InvalidParameterError
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
@@ -33,13 +32,13 @@ logger = get_logger(__name__.rsplit(".", 1)[-1])
 def make_attention_backend(
     config: EngineConfig, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> AttentionBackend:
-    """Pick the attention backend: FlashInfer on CUDA when it imports, else torch."""
-    name = config.attention_backend
-    on_cuda = pool.device.type == "cuda"
-    if name == "flashinfer" and not on_cuda:
-        raise InvalidParameterError(
-            "attention_backend", "flashinfer needs a CUDA device; this engine runs on the CPU"
-        )
+    """The backend ``config.resolved_attention_backend()`` names: torch paged attention.
+
+    It is the only backend (CPU and CUDA alike); ``EngineConfig`` refuses
+    ``flashinfer`` until a FlashInfer backend exists.
+    """
+    name = config.resolved_attention_backend()
+    assert name == "torch", f"no attention backend {name!r}"
     return TorchPagedAttention(pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
@@ -113,6 +112,8 @@ class ModelRunner:
         )
         if rank == 0:  # one report per engine, not one per shard
             logger.info(self.capacity.describe())
+            logger.info("attention backend: %s (asked for %s) on %s",
+                        config.resolved_attention_backend(), config.attention_backend, self.device)
         self.attn = make_attention_backend(
             config, self.pool, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim
         )

@@ -45,7 +45,6 @@ from actors.log import get_logger
 from actors.outputs import CompletionOutput, RequestOutput, SequenceDelta
 from actors.step_messages import HealthStatus, OutputRouter, StepMessage
 from scheduling.batch import Batch, StepOutput
-from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
@@ -122,14 +121,10 @@ class SchedulerService:
     ) -> list[int]:
         self._ensure_loop()
         async with self._lock:
-            try:
-                ids = self._engine.tokenize(prompt)
-                self._engine.add_request(request_id, prompt, params, namespace=namespace, prompt_token_ids=ids)
-            except InvalidParameterError as exc:
-                # Its __init__ takes (param, message) but pickle replays ``args``
-                # (one formatted string): without this Ray cannot rebuild it.
-                exc.args = (exc.param, exc.message)
-                raise
+            # An InvalidParameterError reaches the caller whole, param included:
+            # it pickles through its own __reduce__ (scheduling.errors).
+            ids = self._engine.tokenize(prompt)
+            self._engine.add_request(request_id, prompt, params, namespace=namespace, prompt_token_ids=ids)
             self._router.register(request_id, consumer_id, params.n)
         self._wake.set()
         return ids

@@ -9,7 +9,9 @@ character arrives, and the occurrence that completes first wins, the result
 does not depend on how the text was split into deltas.
 
 ``max_tokens`` ("length") is the caller's business; the caller then calls
-``finish()`` to release the held-back text.
+``finish()`` to release the held-back text. Before a stop token or the end,
+the caller also passes the detokenizer's held-back tail through ``on_text``
+(it may complete a stop string), so no complete character is lost.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class StopChecker:
     def held_text(self) -> str:
         """Text received but not yet emitted (a possible stop-string start)."""
         return self._held
+
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` ends the sequence (its own text is never emitted)."""
+        return token_id in self._stop_token_ids
 
     def on_token(self, token_id: int, text_delta: str) -> tuple[str, str | None]:
         """Take one generated token and the text it added.

@@ -35,13 +35,15 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "plan", help="capacity planner: weights, KV cache, TP degree and cost",
         description="Estimate weight and KV-cache memory, the smallest tensor-parallel degree "
         "that fits, the concurrent sequences per degree, and the cost per 1M output tokens. "
+        "Without --gpu or --gpu-memory-gb only weights and KV cache are shown. "
         "Sizes are shown in GB (1e9 bytes) and GiB (2^30 bytes).")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(MODELS)}")
     model.add_argument("--config", metavar="PATH",
                        help="a Hugging Face config.json, or a model folder holding one")
-    gpu = p.add_mutually_exclusive_group(required=True)
-    gpu.add_argument("--gpu", metavar="NAME", help=f"GPU preset: {', '.join(GPUS)}")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", metavar="NAME",
+                     help=f"GPU preset: {', '.join(GPUS)} (without a GPU: no fit table)")
     gpu.add_argument("--gpu-memory-gb", type=float, metavar="N", help="memory per GPU in GB (1e9 bytes)")
     p.add_argument("--dtype", choices=tuple(DTYPE_BITS), default="fp16", help="weight dtype (default fp16)")
     p.add_argument("--kv-dtype", choices=tuple(DTYPE_BITS), default=None,
@@ -76,11 +78,13 @@ def _model(args: argparse.Namespace) -> ModelArch:
     return get_model(args.preset) if args.preset is not None else load_hf_config(args.config)
 
 
-def _gpu(args: argparse.Namespace) -> tuple[str, int]:
+def _gpu(args: argparse.Namespace) -> tuple[str | None, int | None]:
     if args.gpu is not None:
         spec = get_gpu(args.gpu)
         return spec.name, spec.memory_bytes
     gb = args.gpu_memory_gb
+    if gb is None:
+        return None, None  # KV and weight arithmetic only
     if not (gb > 0 and math.isfinite(gb)):
         raise InvalidParameterError("gpu_memory_gb", f"must be a positive number, got {gb!r}")
     return f"{gb:g} GB GPU", int(gb * _GB)
@@ -129,6 +133,28 @@ def _billions(n: int) -> str:
     return f"{n / 1e9:.3f} B"
 
 
+def _fit_lines(r: PlanReport, gpu_memory_bytes: int, need: str) -> list[str]:
+    """The GPU line, the per-TP table and the verdict."""
+    lines = [
+        f"GPU         {r.gpu_name}: {_size(gpu_memory_bytes)}, {r.memory_fraction:.0%} usable "
+        f"= {_size(gpu_memory_bytes * r.memory_fraction)} per GPU",
+        "",
+        f"{'TP':>3}  {'usable (all ranks)':<24}{'weights per rank':<24}{'KV per rank':<24}"
+        f"{'fits':<6}max seqs of {r.context:,}",
+    ]
+    for f in r.fits:
+        lines.append(f"{f.tp:>3}  {_size(f.usable_bytes):<24}{_size(f.weight_bytes_per_rank):<24}"
+                     f"{_size(f.kv_bytes_per_rank):<24}{'yes' if f.fits else 'no':<6}{f.max_num_seqs:,}")
+    lines.append("")
+    if r.tp is not None:
+        lines.append(f"smallest TP: {r.tp} ({r.tp} x {r.gpu_name}) for weights + KV = {need}")
+    else:
+        top = r.fits[-1]
+        lines.append(f"DOES NOT FIT even on {top.tp} x {r.gpu_name}: weights + KV = {need}, "
+                     f"but {top.tp} GPUs give {_size(top.usable_bytes)}")
+    return lines
+
+
 def format_report(r: PlanReport) -> str:
     """The human-readable report."""
     m, pc = r.model, r.params
@@ -148,23 +174,12 @@ def format_report(r: PlanReport) -> str:
         f"KV cache    {r.kv_dtype}: {r.kv_bytes_per_token:,} B per token "
         f"({r.kv_bytes_per_token / 1e6:.3f} MB / {r.kv_bytes_per_token / 2**20:.3f} MiB)",
         f"            {r.context:,} tokens x {r.batch} sequences = {_size(r.kv_bytes)}",
-        f"GPU         {r.gpu_name}: {_size(r.gpu_memory_bytes)}, {r.memory_fraction:.0%} usable "
-        f"= {_size(r.gpu_memory_bytes * r.memory_fraction)} per GPU",
-        "",
-        f"{'TP':>3}  {'usable (all ranks)':<24}{'weights per rank':<24}{'KV per rank':<24}"
-        f"{'fits':<6}max seqs of {r.context:,}",
     ]
-    for f in r.fits:
-        lines.append(f"{f.tp:>3}  {_size(f.usable_bytes):<24}{_size(f.weight_bytes_per_rank):<24}"
-                     f"{_size(f.kv_bytes_per_rank):<24}{'yes' if f.fits else 'no':<6}{f.max_num_seqs:,}")
-    lines.append("")
     need = _size(r.weight_bytes + r.kv_bytes)
-    if r.tp is not None:
-        lines.append(f"smallest TP: {r.tp} ({r.tp} x {r.gpu_name}) for weights + KV = {need}")
+    if r.gpu_memory_bytes is None:
+        lines += ["", f"weights + KV = {need}; no GPU given (--gpu or --gpu-memory-gb): no fit table"]
     else:
-        top = r.fits[-1]
-        lines.append(f"DOES NOT FIT even on {top.tp} x {r.gpu_name}: weights + KV = {need}, "
-                     f"but {top.tp} GPUs give {_size(top.usable_bytes)}")
+        lines += _fit_lines(r, r.gpu_memory_bytes, need)
     if r.cost is not None:
         c = r.cost
         gpus = f"{c.num_gpus} GPU{'s' if c.num_gpus > 1 else ''}"

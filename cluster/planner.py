@@ -70,8 +70,8 @@ class PlanReport:
     context: int
     batch: int
     kv_bytes: int  # context x batch
-    gpu_name: str
-    gpu_memory_bytes: int
+    gpu_name: str | None  # None: no GPU given, so no fit table (``fits`` empty, ``tp`` None)
+    gpu_memory_bytes: int | None
     memory_fraction: float
     fits: tuple[TpFit, ...]
     tp: int | None  # smallest degree in TP_DEGREES that fits; None when even 8 does not
@@ -172,23 +172,27 @@ def _tp_notes(model: ModelArch) -> list[str]:
     return notes
 
 
-def plan(model: ModelArch, *, gpu_name: str, gpu_memory_bytes: int, dtype: str = "fp16",
+def plan(model: ModelArch, *, gpu_name: str | None = None, gpu_memory_bytes: int | None = None,
+         dtype: str = "fp16",
          kv_dtype: str | None = None, context: int = 4096, batch: int = 1,
          memory_fraction: float = 0.9, price_per_hour: float | None = None,
          throughput: float | None = None, tp: int | None = None) -> PlanReport:
     """Plan ``model`` on GPUs of ``gpu_memory_bytes`` each.
 
-    ``kv_dtype`` None means :func:`default_kv_dtype`. The cost needs both
-    ``price_per_hour`` (per GPU) and ``throughput`` (output tok/s) and is
-    charged for ``tp`` GPUs, by default the smallest degree that fits.
-    Raises :class:`InvalidParameterError` naming the argument at fault.
+    Without ``gpu_memory_bytes`` only the weight and KV arithmetic is done:
+    no fit table, and a cost only for an explicit ``tp``. ``kv_dtype`` None
+    means :func:`default_kv_dtype`. The cost needs both ``price_per_hour``
+    (per GPU) and ``throughput`` (output tok/s) and is charged for ``tp``
+    GPUs, by default the smallest degree that fits. Raises
+    :class:`InvalidParameterError` naming the argument at fault.
     """
     _check_dtype(dtype, "dtype")
     kv_dtype = default_kv_dtype(dtype) if kv_dtype is None else kv_dtype
     _check_dtype(kv_dtype, "kv_dtype")
     _check_positive(context, "context", integer=True)
     _check_positive(batch, "batch", integer=True)
-    _check_positive(gpu_memory_bytes, "gpu_memory_gb")
+    if gpu_memory_bytes is not None:
+        _check_positive(gpu_memory_bytes, "gpu_memory_gb")
     if not 0 < memory_fraction <= 1:
         raise InvalidParameterError("memory_fraction", f"must be in (0, 1], got {memory_fraction!r}")
     if tp is not None and tp not in TP_DEGREES:
@@ -199,11 +203,14 @@ def plan(model: ModelArch, *, gpu_name: str, gpu_memory_bytes: int, dtype: str =
     if price_per_hour is not None and throughput is not None:
         _check_price(price_per_hour)
         _check_positive(throughput, "throughput")
+        if gpu_memory_bytes is None and tp is None:
+            raise InvalidParameterError(
+                "price_per_hour", "the cost needs a GPU count: give --gpu or --gpu-memory-gb, or --tp")
 
     params = count_params(model)
     weight_bytes = bytes_for(params.total, dtype)
     per_token = kv_bytes_per_token(model, kv_dtype)
-    fits = tuple(
+    fits = () if gpu_memory_bytes is None else tuple(
         fit_on(degree, weight_bytes=weight_bytes, kv_per_token=per_token, context=context,
                batch=batch, gpu_memory_bytes=gpu_memory_bytes, memory_fraction=memory_fraction)
         for degree in TP_DEGREES)

@@ -1,8 +1,9 @@
 """The KV tensor pool: one k and one v tensor per layer, cut into fixed-size pages.
 
 Layout is NHD per page, ``(num_pages, page_size, num_kv_heads, head_dim)``,
-which is FlashInfer's paged KV layout, so the same tensors serve the torch and
-the FlashInfer backends. Page ``p`` of every layer belongs to the same
+which is also FlashInfer's paged KV layout, so a FlashInfer backend (planned,
+not built yet: the torch backend is the only one today) can use the same
+tensors. Page ``p`` of every layer belongs to the same
 sequence: the page allocator hands out page ids, this module only owns bytes.
 
 Also here: how many pages fit in memory (``plan_num_pages``) and the one-line

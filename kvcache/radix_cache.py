@@ -4,6 +4,9 @@ Ownership: the tree holds exactly one allocator reference on every page it
 stores. ``match_prefix`` hands out none (callers ``incref`` what they keep);
 ``insert`` adopts pages only for token ranges the tree lacks; ``evict`` drops
 the tree's reference. ``lock`` pins a node and its ancestors against eviction.
+An unlocked page may still be referenced by someone else (a sibling of an
+``n > 1`` request shares its prompt pages without a lock), so evicting it
+frees nothing: ``evict`` counts only pages that reach the free list.
 """
 
 from __future__ import annotations
@@ -156,10 +159,15 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
-        """Drop LRU unlocked whole leaves until >= ``num_pages`` pages are released; return count."""
+        """Drop LRU unlocked whole leaves until ``num_pages`` pages are freed (or none is left).
+
+        Counts pages back on the free list, not tree pages dropped (a shared
+        page frees nothing); returns that count.
+        """
         heap = self._heap
-        released = 0
-        while released < num_pages and heap:
+        free_before = self.allocator.num_free_pages
+        freed = 0
+        while freed < num_pages and heap:
             stamp, _, node = heap[0]
             if node.removed or node.children or node.lock_count:
                 heapq.heappop(heap)  # re-queued when it is an unlocked leaf again
@@ -169,12 +177,14 @@ class RadixCache:
             else:
                 heapq.heappop(heap)
                 node.queued = False
-                released += self._remove_leaf(node)
-        return released
+                self._remove_leaf(node)
+                freed = self.allocator.num_free_pages - free_before
+        return freed
 
     def reset(self) -> int:
-        """Evict every unlocked page (ancestors of locked nodes are locked); return the count."""
-        return self.evict(self._num_evictable)
+        """Evict every unlocked page (ancestors of locked nodes are locked); return the pages freed."""
+        # Every unlocked node goes: the target cannot be met before the heap empties.
+        return self.evict(self._num_evictable + 1)
 
     def check_integrity(self) -> None:
         """Verify every structural invariant against a full walk; raise ``AssertionError``."""

@@ -3,16 +3,21 @@
 Each step the scheduler first serves running requests in admission order
 (decodes and unfinished prompt chunks), reserving KV pages for the tokens
 they compute; when pages run out it evicts unlocked prefix-cache pages, then
-preempts running requests (newest first by default) by recompute. With budget
-left and no preemption in the step, it admits waiting requests, reusing
-cached prefixes found at admission. A long prompt is split across steps
-(chunked prefill) and mixed with decodes in the same step.
+preempts running requests by recompute, newest first (as vLLM does under
+FCFS: the latest admitted has the least work to lose, and the oldest keep
+their place). With budget left and no preemption in the step, it admits
+waiting requests in order, reusing cached prefixes found at admission. A long
+prompt is split across steps (chunked prefill) and mixed with decodes in the
+same step.
 
-Page ownership: a request holds one allocator reference on every page in its
-page table, matched prefix pages included, and a lock on the radix node it
-matched. When it ends (finish, abort or preemption) its fully computed pages
-go into the radix tree, which takes its own references, and the request drops
-all of its own.
+A waiting request that does not fit blocks the ones behind it (FCFS). Its
+prefix lookup is read-only and its hit is counted only once it is admitted,
+so a request blocked for many steps costs one tree walk per step and counts
+once in the hit rate.
+
+Page ownership (``scheduling.request_pages``): a request holds a reference on
+every page of its page table and a lock on the radix node it matched; when it
+ends, its computed pages go into the radix tree.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from dataclasses import dataclass
 
 from kvcache.errors import CacheConfigError
 from kvcache.page_allocator import PageAllocator
-from kvcache.radix_cache import RadixCache
+from kvcache.radix_cache import PrefixMatch, RadixCache
 from scheduling.batch import Batch, StepOutput
 from scheduling.batch_builder import Scheduled, build_batch
 from scheduling.errors import InvalidParameterError
 from scheduling.request import Request, RequestStatus
+from scheduling.request_pages import RequestPages
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.scheduler_stats import SchedulerStats
 
@@ -61,6 +67,7 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.cache = cache if config.enable_prefix_caching else None
+        self.kv = RequestPages(allocator, self.cache, config.page_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -121,7 +128,7 @@ class Scheduler:
                         siblings.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        self._release(req)
+        self.kv.release(req)
         req.finish_reason = "abort"
         req.set_status(RequestStatus.ABORTED)
         return req
@@ -154,12 +161,12 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._reserve(req, req.num_computed_tokens + n):
-                victim = len(running) - 1 if self.config.preemption_order == "newest" else i + 1
-                victim = min(victim, len(running) - 1)
-                self._preempt(running.pop(victim))
+            while not self.kv.reserve(req, req.num_computed_tokens + n):
+                # Newest first: ``running`` is in admission order.
+                victim = running.pop()
+                self._preempt(victim)
                 preempted = True
-                if victim == i:
+                if victim is req:
                     break
             else:
                 scheduled.append((req, n, req.num_computed_tokens + n == req.num_tokens))
@@ -175,17 +182,39 @@ class Scheduler:
 
     def _admit(self, scheduled: list[Scheduled], budget: int) -> int:
         cfg = self.config
+        cache = self.cache
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            if self.cache is not None and req.num_computed_tokens == 0:
-                self._match_prefix(req)
-            remaining = req.num_tokens - req.num_computed_tokens
+            match: PrefixMatch | None = None
+            if cache is not None and req.num_computed_tokens == 0:
+                match = cache.match_prefix(req.all_token_ids, req.namespace)  # read-only
+            start = req.num_computed_tokens if match is None else match.num_tokens
+            remaining = req.num_tokens - start
             n = min(remaining, budget)
-            if (n < remaining and not cfg.enable_chunked_prefill) or not self._reserve(
-                req, req.num_computed_tokens + n
-            ):
-                self._release(req)
+            if n < remaining and not cfg.enable_chunked_prefill:
                 break
+            have = len(req.pages)
+            if match is not None:
+                assert cache is not None
+                cache.lock(match.node)  # first, so the fit check does not count it evictable
+                have = len(match.pages)
+            if not self.kv.may_fit(self.kv.pages_for(start + n) - have):
+                # No eviction could make room: undo the lock, evict nothing.
+                if match is not None:
+                    assert cache is not None
+                    cache.unlock(match.node)
+                break
+            if match is not None:
+                self.kv.take_prefix(req, match)
+            if not self.kv.reserve(req, start + n):
+                # Evicting freed less than counted (pages a running sibling
+                # still holds). A failed reserve allocates nothing, so only a
+                # prefix taken just now is to give back.
+                if match is not None:
+                    self.kv.release(req)
+                break
+            if match is not None and req.num_preemptions == 0:
+                self._count_prefix_hit(req, match.num_tokens)
             self.waiting.popleft()
             req.set_status(RequestStatus.RUNNING)
             if req.first_scheduled_time is None:
@@ -195,32 +224,12 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _match_prefix(self, req: Request) -> None:
-        assert self.cache is not None and not req.pages and req.prefix_node is None
-        tokens = req.all_token_ids
-        match = self.cache.match_prefix(tokens, req.namespace)
-        self.cache.lock(match.node)
-        self.allocator.incref(match.pages)
-        req.prefix_node = match.node
-        req.pages = list(match.pages)
-        req.num_computed_tokens = match.num_tokens
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = match.num_tokens
-            self.stats.prefix_queries_tokens += len(tokens)
-            self.stats.prefix_hit_tokens += match.num_tokens
-
-    def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Make ``req.pages`` cover ``num_tokens`` tokens, evicting cached pages if needed."""
-        need = -(-num_tokens // self.config.page_size) - len(req.pages)
-        if need <= 0:
-            return True
-        free = self.allocator.num_free_pages
-        if free < need and self.cache is not None:
-            self.cache.evict(need - free)
-        if self.allocator.num_free_pages < need:
-            return False
-        req.pages.extend(self.allocator.allocate(need))
-        return True
+    def _count_prefix_hit(self, req: Request, num_hit_tokens: int) -> None:
+        # Once per request, at its first admission (a preempted one re-matches
+        # its own pages: not a hit of the cache's making).
+        req.num_cached_tokens = num_hit_tokens
+        self.stats.prefix_queries_tokens += req.num_prompt_tokens
+        self.stats.prefix_hit_tokens += num_hit_tokens
 
     # ---------------------------------------------------------------- results
     def update(self, batch: Batch, output: StepOutput) -> SchedulerUpdate:
@@ -275,28 +284,14 @@ class Scheduler:
     # ---------------------------------------------------------------- release
     def _end(self, req: Request, reason: str) -> None:
         self.requests.pop(req.request_id, None)
-        self._release(req)
+        self.kv.release(req)
         req.finish_reason = reason
         req.set_status(RequestStatus.FINISHED)
 
     def _preempt(self, req: Request) -> None:
-        self._release(req)
+        self.kv.release(req)
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         req.set_status(RequestStatus.PREEMPTED)
         req.set_status(RequestStatus.WAITING)
         self.waiting.appendleft(req)
-
-    def _release(self, req: Request) -> None:
-        """Give back the request's pages (computed ones into the prefix cache)."""
-        if req.pages:
-            if self.cache is not None and req.num_computed_tokens >= self.config.page_size:
-                tokens = req.all_token_ids[: req.num_computed_tokens]
-                self.cache.insert(tokens, req.pages, req.namespace)
-            self.allocator.free(req.pages)
-            req.pages = []
-        if req.prefix_node is not None:
-            assert self.cache is not None
-            self.cache.unlock(req.prefix_node)
-            req.prefix_node = None
-        req.num_computed_tokens = 0

@@ -14,6 +14,8 @@ class SchedulerConfig:
     ``max_num_batched_tokens`` is the per-step token budget (prefill tokens
     plus one per decode). Without chunked prefill a prompt must fit the budget
     in one step, so the budget must be at least ``max_model_len``.
+    Preemption is not configurable: the newest running request goes first
+    (see ``scheduling.scheduler``).
     """
 
     max_model_len: int = 2048
@@ -22,7 +24,6 @@ class SchedulerConfig:
     page_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    preemption_order: str = "newest"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
@@ -40,8 +41,4 @@ class SchedulerConfig:
                 "max_num_batched_tokens",
                 f"{self.max_num_batched_tokens} is below max_model_len {self.max_model_len}; "
                 "without chunked prefill a whole prompt must fit in one step",
-            )
-        if self.preemption_order not in ("newest", "oldest"):
-            raise InvalidParameterError(
-                "preemption_order", f"must be 'newest' or 'oldest', got {self.preemption_order!r}"
             )

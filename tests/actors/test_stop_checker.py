@@ -121,6 +121,13 @@ def test_eos_stops_unless_ignored() -> None:
     assert no_eos.on_token(EOS, "x") == ("x", None)
 
 
+def test_is_stop_token_matches_what_on_token_stops_on() -> None:
+    checker = StopChecker(SamplingParams(stop_token_ids=(7,)), eos_token_id=EOS)
+    assert [checker.is_stop_token(t) for t in (7, EOS, TEXT_TOKEN)] == [True, True, False]
+    ignoring = StopChecker(SamplingParams(ignore_eos=True), eos_token_id=EOS)
+    assert not ignoring.is_stop_token(EOS)
+
+
 def test_on_text_checks_flushed_text() -> None:
     checker = _stops("STOP")
     assert checker.on_token(TEXT_TOKEN, "abST") == ("ab", None)

@@ -123,6 +123,29 @@ def test_cli_text_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert "smallest TP: 1" in out and "2.78 per 1M output tokens" in out
 
 
+def test_cli_without_a_gpu_prints_weights_and_kv_but_no_fit_table(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["plan", "--preset", "llama-2-7b", "--context", "2048"], capsys)
+    assert code == 0, err
+    assert "13.48 GB / 12.55 GiB" in out and "1.07 GB / 1.00 GiB" in out
+    assert "no fit table" in out
+    assert "smallest TP" not in out and "DOES NOT FIT" not in out and "usable" not in out
+    code, out, err = run_cli(["plan", "--preset", "llama-2-7b", "--context", "2048", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["fits"], data["tp"], data["gpu_name"], data["gpu_memory_bytes"]) == ([], None, None, None)
+    assert data["kv_bytes"] == 524288 * 2048
+
+
+def test_cli_cost_without_a_gpu_needs_the_tp_degree(capsys: pytest.CaptureFixture[str]) -> None:
+    priced = ["plan", "--preset", "llama-2-7b", "--price-per-hour", "10", "--throughput", "1000"]
+    code, _, err = run_cli(priced, capsys)
+    assert code == 2 and "--price-per-hour" in err and "--tp" in err and "Traceback" not in err
+    code, out, err = run_cli([*priced, "--tp", "2", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["cost"]["num_gpus"] == 2
+
+
 def test_cli_says_when_even_tp8_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(["plan", "--preset", "llama-2-70b", "--gpu", "L4", "--context", "4096",
                             "--batch", "64"], capsys)

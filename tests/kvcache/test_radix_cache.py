@@ -184,6 +184,32 @@ def test_evict_reaches_a_parent_once_its_children_are_gone() -> None:
     cache.check_integrity()
 
 
+def test_evict_counts_freed_pages_not_pages_still_held_elsewhere() -> None:
+    alloc, cache = make(num_pages=8)
+    shared = put(alloc, cache, seq(0, 8))  # the least recently used leaf...
+    alloc.incref(shared)  # ...also held, unlocked, by a running sibling
+    other = put(alloc, cache, seq(100, 8))
+    free = alloc.num_free_pages
+    # Dropping the shared leaf frees nothing, so eviction goes on to the next one.
+    assert cache.evict(1) == 2
+    assert alloc.num_free_pages == free + 2 and all(alloc.is_free(p) for p in other)
+    assert cache.num_cached_pages == 0 and not any(alloc.is_free(p) for p in shared)
+    assert cache.evict(1) == 0  # nothing unlocked left: stops short
+    alloc.free(shared)
+    assert alloc.num_free_pages == alloc.num_pages
+    cache.check_integrity()
+
+
+def test_reset_returns_the_pages_it_freed() -> None:
+    alloc, cache = make(num_pages=8)
+    held = put(alloc, cache, seq(0, 8))
+    alloc.incref(held)
+    put(alloc, cache, seq(100, 4))
+    assert cache.reset() == 1 and cache.num_cached_pages == 0
+    alloc.free(held)
+    assert alloc.num_free_pages == alloc.num_pages
+
+
 def test_locked_nodes_survive_eviction() -> None:
     alloc, cache = make()
     a = put(alloc, cache, seq(0, 12))

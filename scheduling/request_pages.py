@@ -1,0 +1,74 @@
+"""A request's KV pages: reserved as it grows, started from a cached prefix, released into the cache.
+
+Page ownership: a request holds one allocator reference on every page in its
+page table, matched prefix pages included, and a lock on the radix node it
+matched. When it ends (finish, abort or preemption) its fully computed pages
+go into the radix tree, which takes its own references, and the request drops
+all of its own.
+"""
+
+from __future__ import annotations
+
+from kvcache.page_allocator import PageAllocator
+from kvcache.radix_cache import PrefixMatch, RadixCache
+from scheduling.request import Request
+
+
+class RequestPages:
+    """The page side of scheduling, over one allocator and an optional prefix cache."""
+
+    def __init__(self, allocator: PageAllocator, cache: RadixCache | None, page_size: int) -> None:
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def may_fit(self, need: int) -> bool:
+        """Whether ``need`` more pages could be had: free ones plus every unlocked cached one.
+
+        An upper bound (an unlocked page a sibling still holds frees nothing
+        when evicted); False means no eviction could help.
+        """
+        evictable = self.cache.num_evictable_pages if self.cache is not None else 0
+        return need <= self.allocator.num_free_pages + evictable
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make ``req.pages`` cover ``num_tokens`` tokens, evicting cached pages if needed.
+
+        All or nothing: on False no page was added (some may have been evicted).
+        """
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        free = self.allocator.num_free_pages
+        if free < need and self.cache is not None:
+            self.cache.evict(need - free)
+        if self.allocator.num_free_pages < need:
+            return False
+        req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def take_prefix(self, req: Request, match: PrefixMatch) -> None:
+        """Start ``req`` from its cached prefix; ``match.node`` is already locked for it."""
+        assert not req.pages and req.prefix_node is None
+        self.allocator.incref(match.pages)
+        req.prefix_node = match.node
+        req.pages = list(match.pages)
+        req.num_computed_tokens = match.num_tokens
+
+    def release(self, req: Request) -> None:
+        """Give back the request's pages (computed ones into the prefix cache) and its lock."""
+        if req.pages:
+            if self.cache is not None and req.num_computed_tokens >= self.page_size:
+                tokens = req.all_token_ids[: req.num_computed_tokens]
+                self.cache.insert(tokens, req.pages, req.namespace)
+            self.allocator.free(req.pages)
+            req.pages = []
+        if req.prefix_node is not None:
+            assert self.cache is not None
+            self.cache.unlock(req.prefix_node)
+            req.prefix_node = None
+        req.num_computed_tokens = 0

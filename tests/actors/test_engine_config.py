@@ -1,0 +1,41 @@
+"""EngineConfig: attention_backend names only backends that exist, and says which one runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine_config import EngineConfig
+from actors.model_runner import make_attention_backend
+from kvcache.kv_pool import KVPool
+from kvcache.torch_attention import TorchPagedAttention
+from scheduling.errors import InvalidParameterError
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "auto"])
+def test_flashinfer_is_refused_at_start_up_naming_the_parameter(device: str) -> None:
+    # No FlashInfer backend exists yet: on any device, asking for it must fail
+    # when the config is built, not quietly run the torch path.
+    with pytest.raises(InvalidParameterError) as err:
+        EngineConfig(attention_backend="flashinfer", device=device)
+    assert err.value.param == "attention_backend"
+    assert "flashinfer" in err.value.message and "torch" in err.value.message
+    with pytest.raises(InvalidParameterError) as err:
+        EngineConfig.from_kwargs(attention_backend="flashinfer")
+    assert err.value.param == "attention_backend"
+
+
+def test_unknown_backend_is_refused() -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        EngineConfig(attention_backend="xformers")
+    assert err.value.param == "attention_backend" and "'xformers'" in err.value.message
+
+
+@pytest.mark.parametrize("asked", ["auto", "torch"])
+def test_auto_and_torch_resolve_to_the_torch_backend_that_runs(asked: str) -> None:
+    config = EngineConfig(attention_backend=asked, device="cpu")
+    assert config.resolved_attention_backend() == "torch"
+    pool = KVPool(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8,
+                  dtype=torch.float32, device=torch.device("cpu"))
+    backend = make_attention_backend(config, pool, num_heads=2, num_kv_heads=1, head_dim=8)
+    assert isinstance(backend, TorchPagedAttention)

@@ -138,7 +138,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     # A BPE without merges over the 256 byte symbols: every byte is one token.
     bpe = models.BPE(vocab={alphabet[b]: b for b in range(NUM_BYTES)}, merges=[])
     tok = Tokenizer(bpe)
@@ -157,7 +157,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     chars, extra = {}, 0

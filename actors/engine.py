@@ -84,6 +84,11 @@ class LLMEngine:
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidParameterError(
+                "logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         children: list[str] = []
         try:
             for i in range(params.n):

@@ -1,4 +1,4 @@
-"""Turn one step's logits into token ids: penalties, temperature, top-k/top-p/min-p, draw.
+"""Turn one step's logits into token ids: penalties, logit bias, temperature, top-k/top-p/min-p, draw.
 
 Rows are processed independently, so a request's tokens do not depend on what
 shares its batch. Per-row parameters become tensors and each transform runs
@@ -12,10 +12,9 @@ its token a function of its own logits, params and position only.
 
 from __future__ import annotations
 
-from itertools import chain
-
 import torch
 
+from actors.logit_adjust import apply_logit_bias, apply_penalties
 from scheduling.batch import StepOutput, TokenLogprobs
 from scheduling.sampling_params import SamplingParams
 
@@ -38,6 +37,7 @@ def _all_plain_greedy(params: list[SamplingParams]) -> bool:
             or p.presence_penalty
             or p.frequency_penalty
             or p.repetition_penalty != 1.0
+            or p.logit_bias
         ):
             return False
     return True
@@ -50,52 +50,6 @@ def _mix_seed(seed: int, num_output_tokens: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 1
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
-) -> torch.Tensor:
-    """Return penalised copies of ``logits`` rows (shape (R, V), rows aligned with the lists).
-
-    Repetition penalty (Hugging Face semantics) covers prompt and output
-    tokens: positive logits are divided by it, negative ones multiplied.
-    Frequency and presence penalties (OpenAI/vLLM semantics) cover output
-    tokens only: ``logit -= frequency * count + presence * (count > 0)``.
-    Each is skipped when no row uses it (most requests use one at most).
-    """
-    device, dtype = logits.device, logits.dtype
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
-
-    rep = [p.repetition_penalty for p in params]
-    frequency = [p.frequency_penalty for p in params]
-    presence = [p.presence_penalty for p in params]
-    counts = _token_counts(output_token_ids, logits)
-    out = logits.clone()
-    if any(r != 1.0 for r in rep):
-        seen = (counts + _token_counts(prompt_token_ids, logits)) > 0
-        factor = column(rep)
-        out = torch.where(seen, torch.where(out > 0, out / factor, out * factor), out)
-    if any(frequency):
-        out -= column(frequency) * counts.to(dtype)
-    if any(presence):
-        out -= column(presence) * (counts > 0).to(dtype)
-    return out
-
-
-def _token_counts(token_ids: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """(R, V) int64 counts of each token id in each row's list, on ``like``'s device."""
-    num_rows, vocab = like.shape
-    # Index built on the host (the lists are there), counted on the device.
-    lengths = torch.tensor([len(ids) for ids in token_ids])
-    rows = torch.repeat_interleave(torch.arange(num_rows), lengths)
-    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long)
-    index = (rows * vocab + flat).to(like.device)
-    return torch.bincount(index, minlength=num_rows * vocab).view(num_rows, vocab)
 
 
 def apply_top_k_top_p(
@@ -226,6 +180,8 @@ class Sampler:
             penalty_params = [params[i] for i in penalty_rows]
             penalised = apply_penalties(logits[index], penalty_params, prompts, outputs)
             logits = logits.index_copy(0, index, penalised)
+        if any(p.logit_bias for p in params):  # after penalties, before temperature (OpenAI: on the logits)
+            logits = apply_logit_bias(logits, params)
 
         # Greedy rows take the argmax of the penalised logits.
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -78,6 +78,7 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
 
     @field_validator("stream_options")
     @classmethod
@@ -93,7 +94,7 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``. One prompt per request (see ``completion_prompt``)."""
+    """``POST /v1/completions``. A prompt or a batch of them (see ``completion_prompts``)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
@@ -110,6 +111,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
@@ -132,6 +134,7 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 
 Decode = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 MIN_LOGPROB = -9999.0  # stands in for -inf (a masked token): JSON has no infinities
 
 
@@ -140,18 +143,17 @@ def _finite(logprob: float) -> float:
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs], decode: Decode, *, text_offset: int = 0
+    entries: Sequence[TokenLogprobs], decode: Decode, offsets: Sequence[int]
 ) -> dict[str, Any]:
-    """Legacy completions logprobs: parallel lists; ``text_offset`` where the first token starts.
+    """Legacy completions logprobs: parallel lists; ``offsets[i]`` is where token i starts in the text.
 
-    ``decode`` turns one token id into its text. Several alternatives that
-    decode to the same text keep the most likely one (a dict cannot hold both).
+    ``decode`` turns one token id into its text. The offsets index the text
+    the response carries (``ResponseBuilder`` tracks it), not the sum of
+    per-token decodes: a token holding half a character decodes to U+FFFD.
+    Several alternatives that decode to the same text keep the most likely
+    one (a dict cannot hold both).
     """
-    tokens = [decode(e.token_id) for e in entries]
-    offsets: list[int] = []
-    for tok in tokens:
-        offsets.append(text_offset)
-        text_offset += len(tok)
+    assert len(offsets) == len(entries), (len(offsets), len(entries))
     top: list[dict[str, float]] = []
     for e in entries:
         alts: dict[str, float] = {}
@@ -159,24 +161,28 @@ def completion_logprobs(
             alts.setdefault(decode(tid), _finite(lp))
         top.append(alts)
     return {
-        "tokens": tokens,
+        "tokens": [decode(e.token_id) for e in entries],
         "token_logprobs": [_finite(e.logprob) for e in entries],
         "top_logprobs": top,
-        "text_offset": offsets,
+        "text_offset": list(offsets),
     }
 
 
-def _token_logprob(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+def _token_logprob(token_id: int, logprob: float, decode: Decode, token_bytes: TokenBytes) -> dict[str, Any]:
+    return {"token": decode(token_id), "logprob": _finite(logprob), "bytes": list(token_bytes(token_id))}
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], decode: Decode) -> dict[str, Any]:
-    """Chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``."""
+def chat_logprobs(entries: Sequence[TokenLogprobs], decode: Decode, token_bytes: TokenBytes) -> dict[str, Any]:
+    """Chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``.
+
+    ``bytes`` are the token's own (``token_bytes``), so a client joining them
+    gets the text back even where a token holds part of a character.
+    """
     content = []
     for e in entries:
-        item = _token_logprob(decode(e.token_id), e.logprob)
+        item = _token_logprob(e.token_id, e.logprob, decode, token_bytes)
         item["top_logprobs"] = [
-            _token_logprob(decode(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
+            _token_logprob(t, lp, decode, token_bytes) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)
         ]
         content.append(item)
     return {"content": content, "refusal": None}

@@ -1,9 +1,9 @@
 """From an HTTP body to engine inputs: parse, pick the prompt, build SamplingParams.
 
 The HTTP layer's order is: :func:`parse_request` (size, JSON, types),
-:func:`check_model`, :func:`completion_prompt` or :func:`chat_messages`,
+:func:`check_model`, :func:`completion_prompts` or :func:`chat_messages`,
 tokenize (the engine refuses out-of-vocabulary ids with param "prompt"), then
-:func:`to_sampling_params` with the prompt's length. Every failure raises
+:func:`to_sampling_params` with each prompt's length. Every failure raises
 ``APIError``, ``InvalidParameterError`` or pydantic ``ValidationError``, which
 ``apps.errors.error_response`` turns into the OpenAI envelope.
 
@@ -102,36 +102,39 @@ def check_model(requested: str | None, served: str | Sequence[str]) -> str:
     return requested
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completions request: a string or a list of token ids.
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request, in order: each a string or a list of token ids.
 
-    ``["text"]`` and ``[[1, 2]]`` (one-element batches, as some clients send)
-    are unwrapped; batches of several prompts are refused with a 400 (send one
-    request per prompt).
+    ``"text"`` and ``[1, 2]`` are one prompt; ``["a", "b"]`` and
+    ``[[1, 2], [3]]`` are a batch (one engine request per prompt, as OpenAI
+    and vLLM serve them). An empty prompt or batch is refused.
     """
     prompt = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        raise InvalidParameterError(
-            "prompt", f"batches of prompts ({len(prompt)}) are not supported; send one prompt per request"
-        )
-    if len(prompt) == 0:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        batch: list[str | list[int]] = [prompt]
+    else:
+        batch = list(prompt)  # type: ignore[arg-type]  # list[str] or list[list[int]] here
+    if not batch:
         raise InvalidParameterError("prompt", "the prompt is empty")
-    if isinstance(prompt, str):
-        return prompt
-    return [t for t in prompt if isinstance(t, int)]  # all ints here; the filter narrows the type
+    for i, one in enumerate(batch):
+        if len(one) == 0:
+            where = f" (prompt {i} of the batch)" if len(batch) > 1 else ""
+            raise InvalidParameterError("prompt", f"the prompt is empty{where}")
+    return batch
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     """The conversation as ``[{"role", "content"[, "name"]}]`` for the chat template.
 
     Text content parts are joined with newlines. Tool calling and structured
-    output are not served: non-empty ``tools`` and a ``response_format`` other
-    than text are refused rather than silently ignored.
+    output are not served: non-empty ``tools``, a ``tool_choice`` other than
+    "none" and a ``response_format`` other than text are refused rather than
+    silently ignored.
     """
     if req.tools:
         raise InvalidParameterError("tools", "tool calling is not supported")
+    if req.tool_choice is not None and req.tool_choice != "none":
+        raise InvalidParameterError("tool_choice", "tool calling is not supported")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise InvalidParameterError("response_format", "only the 'text' response format is supported")
     if not req.messages:
@@ -182,14 +185,27 @@ def _max_tokens(
     return value
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """``logit_bias`` with token-id keys (the engine checks them against the vocabulary, as prompt ids)."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidParameterError("logit_bias", f"keys must be token ids, got {key!r}")
+        token_id = int(key)
+        out[token_id] = value
+    return out
+
+
 def to_sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, *, max_model_len: int, num_prompt_tokens: int
+    req: CompletionRequest | ChatCompletionRequest, *, max_model_len: int, num_prompt_tokens: int,
 ) -> SamplingParams:
     """Build validated ``SamplingParams``; ranges are SamplingParams's own (errors name the field).
 
     Raises ``InvalidParameterError`` with param "prompt" when the prompt is
-    empty or leaves no room in ``max_model_len``, and with the budget's field
-    name when prompt + budget exceeds ``max_model_len``.
+    empty or leaves no room in ``max_model_len``, with the budget's field
+    name when prompt + budget exceeds ``max_model_len``, and with
+    "logit_bias" for a key that is not a token id or a value outside
+    [-100, 100] (ids past the vocabulary are the engine's to refuse).
     """
     if num_prompt_tokens <= 0:
         raise InvalidParameterError("prompt", "the prompt is empty")
@@ -222,4 +238,5 @@ def to_sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
         n=1 if req.n is None else req.n,
+        logit_bias=_logit_bias(req.logit_bias),  # type: ignore[arg-type]  # a dict is normalised
     )

@@ -1,11 +1,25 @@
 """One request's OpenAI response pieces: whole choices, stream chunks and logprobs (completions or chat).
 
 Pure: plain dicts from ``SequenceDelta`` lists, no HTTP and no Ray. The
-Serve deployment (``apps.server``) builds one per request.
+Serve deployment (``apps.server``) builds one per request. Deltas carry
+*choice* indices (``RequestStream`` maps a batch's prompts onto them).
+
+Streams send one choice per chunk, as OpenAI does with ``n > 1``: a client
+that reads ``choices[0]`` of every chunk still sees every choice.
+
+Completion ``text_offset``: where each token starts in the text this
+response carries, not the sum of per-token decodes (a piece of a character
+decodes to U+FFFD alone; special tokens are not in the text). A delta's
+text ends with its tokens' text, after whatever the detokenizer held back
+before, so offsets are found from the delta's end: a token whose text ends
+the rest starts that much earlier; a piece of a character starts in the
+character before; a token with no text of its own (special, or still held
+back) starts where the next text will. Offsets never pass the text.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.outputs import SequenceDelta
@@ -13,46 +27,79 @@ from apps import protocol as p
 from scheduling.batch import TokenLogprobs
 
 
-class ResponseBuilder:
-    """Builds one request's choices and chunks (completions or chat)."""
+@dataclass(slots=True)
+class _Piece:
+    """Part of one choice: its text, its tokens' logprobs and their offsets in the choice's text."""
 
-    def __init__(self, kind: str, model: str, created: int, want_logprobs: bool, decode: p.Decode) -> None:
+    text: str = ""
+    entries: list[TokenLogprobs] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+class ResponseBuilder:
+    """Builds one request's choices (``add`` then ``choices``) or chunks (``chunks``)."""
+
+    def __init__(self, kind: str, model: str, created: int, want_logprobs: bool, decode: p.Decode,
+                 token_bytes: p.TokenBytes, num_choices: int) -> None:
         self.kind, self.model, self.created = kind, model, created
         self.want_logprobs = want_logprobs
-        self.decode = decode
-        self._offsets: dict[int, int] = {}  # sequence index -> text offset of its next token
+        self.decode, self.token_bytes = decode, token_bytes
+        self._emitted = [0] * num_choices  # characters of each choice's text so far
+        self._whole = [_Piece() for _ in range(num_choices)]  # filled by ``add`` (non-streaming)
 
-    def logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+    def _take(self, piece: _Piece, delta: SequenceDelta) -> None:
+        """Append ``delta`` to ``piece``, with the text offsets of its tokens."""
+        entries = delta.logprobs or []
+        base, position = self._emitted[delta.index], len(delta.text)
+        offsets = [0] * len(entries)
+        for k in range(len(entries) - 1, -1, -1):
+            token = self.decode(entries[k].token_id)
+            if token and delta.text.endswith(token, 0, position):
+                position -= len(token)
+            elif "\ufffd" in token and position > 0:
+                position -= 1
+            offsets[k] = base + position
+        piece.offsets.extend(offsets)
+        piece.entries.extend(entries)
+        piece.text += delta.text
+        piece.finish = delta.finish_reason or piece.finish
+        self._emitted[delta.index] += len(delta.text)
+
+    def _logprobs(self, piece: _Piece) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         if self.kind == "chat":
-            return p.chat_logprobs(entries, self.decode)
-        lp = p.completion_logprobs(entries, self.decode, text_offset=self._offsets.get(index, 0))
-        self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-        return lp
+            return p.chat_logprobs(piece.entries, self.decode, self.token_bytes)
+        return p.completion_logprobs(piece.entries, self.decode, piece.offsets)
 
-    def choice(self, index: int, text: str, finish: str | None, entries: list[TokenLogprobs]) -> dict[str, Any]:
+    # ------------------------------------------------------------- whole
+    def add(self, delta: SequenceDelta) -> None:
+        """Record one delta of a non-streaming response."""
+        self._take(self._whole[delta.index], delta)
+
+    def choices(self, finish_reasons: list[str | None]) -> list[dict[str, Any]]:
+        """Every choice of a non-streaming response, in index order."""
         build = p.completion_choice if self.kind == "completion" else p.chat_choice
-        return build(index, text, finish, self.logprobs(index, entries))
+        return [build(i, piece.text, finish_reasons[i], self._logprobs(piece))
+                for i, piece in enumerate(self._whole)]
 
-    def chunk(self, request_id: str, deltas: list[SequenceDelta]) -> dict[str, Any] | None:
-        """One chunk for ``deltas`` (several steps' worth when the reader fell behind), or None if empty.
+    # ------------------------------------------------------------ stream
+    def role_chunks(self, request_id: str) -> list[dict[str, Any]]:
+        """Chat's first chunks: one per choice, announcing the assistant role."""
+        return [p.chat_completion_chunk(request_id, self.model, self.created, [p.chat_delta_choice(i, "", role=True)])
+                for i in range(len(self._emitted))]
 
-        A sequence's deltas merge into one choice: texts and logprobs joined,
-        the last finish reason kept.
+    def chunks(self, request_id: str, deltas: list[SequenceDelta]) -> list[dict[str, Any]]:
+        """One chunk per choice with news in ``deltas`` (several steps' worth when the reader fell behind).
+
+        A choice's deltas merge into its chunk: texts and logprobs joined, the
+        last finish reason kept. Choices come in the order they first appear.
         """
-        merged: dict[int, tuple[str, list[TokenLogprobs], str | None]] = {}
+        pieces: dict[int, _Piece] = {}
         for d in deltas:
-            text, entries, finish = merged.get(d.index, ("", [], None))
-            merged[d.index] = (text + d.text, entries + (d.logprobs or []), d.finish_reason or finish)
-        choices = []
-        for index, (text, entries, finish) in merged.items():
-            if not (text or finish or entries):
-                continue
-            lp = self.logprobs(index, entries)
-            build = p.completion_choice if self.kind == "completion" else p.chat_delta_choice
-            choices.append(build(index, text, finish, lp))
-        if not choices:
-            return None
+            self._take(pieces.setdefault(d.index, _Piece()), d)
+        build = p.completion_choice if self.kind == "completion" else p.chat_delta_choice
         wrap = p.completion_chunk if self.kind == "completion" else p.chat_completion_chunk
-        return wrap(request_id, self.model, self.created, choices)
+        return [wrap(request_id, self.model, self.created, [build(i, pc.text, pc.finish, self._logprobs(pc))])
+                for i, pc in pieces.items() if pc.text or pc.finish or pc.entries]

@@ -4,7 +4,10 @@ Each replica owns one ``SchedulerActor`` (created in ``__init__``, waited on
 until healthy) and one ``StreamFanout`` task that long-polls it, so a replica
 makes at most one output call per engine step. The replica tokenizes (and
 applies the chat template) itself and submits token ids, so usage counts are
-exact. Every error goes through ``apps.errors.error_response``.
+exact; long prompts are encoded off the event loop (``apps.prompt_encoder``).
+A completions batch (``prompt`` a list of prompts) is one engine request per
+prompt sharing one response stream. Every error goes through
+``apps.errors.error_response``.
 
 A client that goes away cancels its handler (Serve cancels the request);
 the handler's ``finally`` (JSON) or ``EventStreamResponse``'s ``on_close``
@@ -22,9 +25,9 @@ methods' annotations at runtime (a string ``Request`` became a body field).
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -41,18 +44,21 @@ from apps import protocol as p
 from apps import request_params as rq
 from apps.auth import ApiKeyAuth
 from apps.detached import detached
-from apps.errors import APIError, error_response
+from apps.errors import APIError
+from apps.prompt_encoder import PromptEncoder
 from apps.replica_stats import ReplicaStats
+from apps.request_body import read_body
 from apps.response_builder import ResponseBuilder
+from apps.responses import RETRY_AFTER_S, error_json, sse, whole
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
+from apps.token_text import TokenText
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
-from scheduling.batch import TokenLogprobs
 from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
 
 app = FastAPI(title="flotilla", docs_url=None, redoc_url=None)
 HEALTH_TIMEOUT_S = 10.0
 DEFAULT_MAX_QUEUED_REQUESTS = 256  # per replica, beyond max_num_seqs; more get 429 + Retry-After
-RETRY_AFTER_S = 1
 
 
 class TokenizeRequest(BaseModel):
@@ -72,16 +78,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _error(exc: BaseException) -> JSONResponse:
-    status, body = error_response(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes and methods get the OpenAI envelope too."""
-    return _error(APIError(exc.status_code, str(exc.detail)))
+    return error_json(APIError(exc.status_code, str(exc.detail)))
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10.0)
@@ -109,6 +109,8 @@ class LLMServer(ReplicaStats):
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
+        self._encoder = PromptEncoder(self.tokenizer)
+        self._token_text = TokenText(self.tokenizer)
         self._actor = SchedulerActor.options(**(scheduler_options or {})).remote(self.config)
         status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
         if not status.ok:
@@ -119,12 +121,18 @@ class LLMServer(ReplicaStats):
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 
     async def check_health(self) -> None:
-        """Serve's replica check: fails (and the replica is replaced) only if the actor is gone.
+        """Serve's replica check: raising makes Serve replace this replica.
 
+        Fails when the actor is gone or unreachable, and when it reports not ok
+        without restarting: its executor restart failed, so every request
+        would fail fast (and the replica, looking idle, would draw them all).
+        A restart in progress passes: it ends in ok or in a failed restart.
         Also (re)starts the task that keeps Ray's copy of the metrics fresh (idempotent).
         """
         self.metrics.start_reporting(self._actor.stats.remote)
-        await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
+        status = await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
+        if not status.ok and not status.restarting:
+            raise RuntimeError(f"the scheduler actor cannot serve: {status.message}")
 
     def __del__(self) -> None:
         """Serve's shutdown hook: stop polling, then end the actor (it holds the model and KV pool)."""
@@ -150,7 +158,7 @@ class LLMServer(ReplicaStats):
         try:
             self.auth.check(request.headers.get("authorization"))
         except APIError as exc:
-            return _error(exc)
+            return error_json(exc)
         card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "flotilla", "max_model_len": self.config.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
@@ -161,9 +169,9 @@ class LLMServer(ReplicaStats):
         try:
             status = await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
         except Exception:
-            return _error(APIError(503, "the scheduler actor is unreachable"))
+            return error_json(APIError(503, "the scheduler actor is unreachable"))
         if not status.ok:
-            return _error(APIError(503, status.message))
+            return error_json(APIError(503, status.message))
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -178,17 +186,18 @@ class LLMServer(ReplicaStats):
         """``{"prompt"}`` or ``{"messages"}`` -> ``{"tokens", "count", "max_model_len"}``."""
         try:
             self.auth.check(request.headers.get("authorization"))
-            req = rq.parse_request(await self._body(request), TokenizeRequest, max_body_bytes=self.max_body_bytes)
+            body = await read_body(request, self.max_body_bytes)
+            req = rq.parse_request(body, TokenizeRequest, max_body_bytes=self.max_body_bytes)
             rq.check_model(req.model, self.model_name)
             if (req.prompt is None) == (req.messages is None):
                 raise APIError(400, "give exactly one of prompt or messages", param="prompt")
             if req.messages is not None:
-                conv = rq.chat_messages(p.ChatCompletionRequest(messages=req.messages))
-                ids = self._chat_ids(conv)
+                ids = await self._encoder.encode_chat(rq.chat_messages(p.ChatCompletionRequest(messages=req.messages)))
             else:
-                ids = list(self.tokenizer(req.prompt)["input_ids"])
+                assert req.prompt is not None  # exactly one of the two, checked above
+                ids = await self._encoder.encode(req.prompt)
         except Exception as exc:
-            return _error(exc)
+            return error_json(exc)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.config.max_model_len})
 
     @app.post("/detokenize")
@@ -196,79 +205,83 @@ class LLMServer(ReplicaStats):
         """``{"tokens"}`` -> ``{"prompt"}``."""
         try:
             self.auth.check(request.headers.get("authorization"))
-            req = rq.parse_request(await self._body(request), DetokenizeRequest, max_body_bytes=self.max_body_bytes)
+            body = await read_body(request, self.max_body_bytes)
+            req = rq.parse_request(body, DetokenizeRequest, max_body_bytes=self.max_body_bytes)
             rq.check_model(req.model, self.model_name)
             bad = [t for t in req.tokens if not 0 <= t < len(self.tokenizer)]
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
             text = self.tokenizer.decode(req.tokens)
         except Exception as exc:
-            return _error(exc)
+            return error_json(exc)
         return JSONResponse({"prompt": text})
 
     # ------------------------------------------------------------- generation
-    async def _body(self, request: Request) -> bytes:
-        """The body, refused with 413 as soon as it passes the limit (never read whole)."""
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise APIError(413, f"the request body is larger than the limit of {self.max_body_bytes} bytes",
-                               code="payload_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
-        ids: Any = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+    async def _inputs(self, request: Request, kind: str) -> tuple[
+            p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]:
+        """Parse and check a generation request: ``(request, model, prompts' token ids, their params)``."""
+        self.auth.check(request.headers.get("authorization"))
+        if self._fanout.num_open >= self.capacity:
+            raise APIError(429, f"this replica is at capacity ({self.capacity} requests in flight); "
+                                f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
+        body = await read_body(request, self.max_body_bytes)
+        req: p.CompletionRequest | p.ChatCompletionRequest
+        if kind == "completion":
+            req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
+            prompts = rq.completion_prompts(req)
+            if len(prompts) > self.capacity:  # a 429 would never clear: no retry can fit it
+                raise InvalidParameterError("prompt", f"a batch of {len(prompts)} prompts is more than this "
+                                                      f"replica holds at once ({self.capacity})")
+            ids = [await self._encoder.encode(one) for one in prompts]
+        else:
+            req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
+            ids = [await self._encoder.encode_chat(rq.chat_messages(req))]
+        model = rq.check_model(req.model, self.model_name)
+        params = [rq.to_sampling_params(req, max_model_len=self.config.max_model_len, num_prompt_tokens=len(one))
+                  for one in ids]
+        if len(ids) > 1 and self._fanout.num_open + len(ids) > self.capacity:
+            raise APIError(429, f"this replica cannot take a batch of {len(ids)} prompts now; "
+                                f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
+        return req, model, ids, params
 
     async def _generate(self, request: Request, kind: str) -> Response:
-        req: p.CompletionRequest | p.ChatCompletionRequest
         try:
-            self.auth.check(request.headers.get("authorization"))
-            if self._fanout.num_open >= self.capacity:
-                raise APIError(429, f"this replica is at capacity ({self.capacity} requests in flight); "
-                                    f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
-            body = await self._body(request)
-            if kind == "completion":
-                req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
-                prompt = rq.completion_prompt(req)
-                ids = prompt if isinstance(prompt, list) else list(self.tokenizer(prompt)["input_ids"])
-            else:
-                req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
-                ids = self._chat_ids(rq.chat_messages(req))
-            model = rq.check_model(req.model, self.model_name)
-            params = rq.to_sampling_params(req, max_model_len=self.config.max_model_len,
-                                        num_prompt_tokens=len(ids))
+            req, model, prompts, params = await self._inputs(request, kind)
         except Exception as exc:
-            return _error(exc)
+            return error_json(exc)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        queue = self._fanout.open(rid)
-        submitted = self._actor.submit.remote(rid, ids, params, consumer_id=self._fanout.consumer_id)
+        engine_ids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
+        queue = self._fanout.open(engine_ids[0])
+        for eid in engine_ids[1:]:
+            self._fanout.open(eid, queue)
+        submitted = [self._actor.submit.remote(eid, ids, ps, consumer_id=self._fanout.consumer_id)
+                     for eid, ids, ps in zip(engine_ids, prompts, params, strict=True)]
         try:
-            num_prompt = await submitted
+            num_prompt = sum(await asyncio.gather(*submitted))
         except BaseException as exc:
-            self._fanout.close(rid)
-            if not isinstance(exc, Exception):  # cancelled mid-submit: abort once the submit has landed
-                self._background(self._abort_after(submitted, rid))
+            for eid in engine_ids:
+                self._fanout.close(eid)
+            # Cancelled mid-submit, or one prompt of a batch refused: abort each once its submit landed.
+            for sub, eid in zip(submitted, engine_ids, strict=True):
+                self._background(self._abort_after(sub, eid))
+            if not isinstance(exc, Exception):
                 raise
             if isinstance(exc, ray.exceptions.RayActorError):  # the scheduler died: Serve replaces us soon
                 exc = APIError(503, "this replica's engine is down and is being replaced; retry the request",
                                code="engine_unavailable")
-            return _error(exc)
-        stream = RequestStream(rid, queue, n=params.n, num_prompt_tokens=num_prompt)
+            return error_json(exc)
+        stream = RequestStream(rid, queue, n=params[0].n, num_prompt_tokens=num_prompt, request_ids=engine_ids)
         # The task that runs this handler also sends the response, so its end is the request's end
         # on every path, including a cancel that lands after we return but before the first byte.
+        release = functools.partial(self._release, stream)
         task = asyncio.current_task()
         if task is not None:
-            task.add_done_callback(lambda _: self._release(stream))
-        out = ResponseBuilder(kind, model, int(time.time()), params.logprobs is not None, self._decode)
+            task.add_done_callback(lambda _: release())
+        out = ResponseBuilder(kind, model, int(time.time()), params[0].logprobs is not None,
+                              self._token_text.text, self._token_text.bytes_of, stream.n)
         if req.stream:
-            return EventStreamResponse(self._sse(stream, out, req.include_usage), lambda: self._release(stream))
-        return await self._whole(stream, out)
+            return EventStreamResponse(sse(stream, out, req.include_usage, release), release)
+        return await whole(stream, out, release)
 
     def _background(self, coro: Any) -> None:
         """Run ``coro`` detached from the (cancelled) handler, holding a reference until it ends."""
@@ -286,48 +299,11 @@ class LLMServer(ReplicaStats):
         with contextlib.suppress(Exception):  # the actor is gone: nothing left to free
             await self._actor.abort.remote(request_id)
 
-    def _decode(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))  # one token's text, for logprobs
-
     def _release(self, stream: RequestStream) -> None:
-        """Stop routing; abort in the actor if unfinished (fire-and-forget: we may be cancelled)."""
-        self._fanout.close(stream.request_id)
-        if not stream.done and not stream.released:
+        """Stop routing; abort in the actor what is unfinished (fire-and-forget: we may be cancelled)."""
+        for eid in stream.request_ids:
+            self._fanout.close(eid)
+        if not stream.released:
             stream.released = True
-            self._background(self._abort(stream.request_id))
-
-    async def _whole(self, stream: RequestStream, out: ResponseBuilder) -> Response:
-        texts = [""] * stream.n
-        entries: list[list[TokenLogprobs]] = [[] for _ in range(stream.n)]
-        try:
-            while not stream.done:
-                delta = await stream.next()
-                texts[delta.index] += delta.text
-                entries[delta.index].extend(delta.logprobs or [])
-        except Exception as exc:
-            return _error(exc)
-        finally:
-            self._release(stream)
-        usage = p.usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens)
-        choices = [out.choice(i, texts[i], stream.finish_reasons[i], entries[i]) for i in range(stream.n)]
-        build = p.completion_response if out.kind == "completion" else p.chat_completion_response
-        return JSONResponse(build(stream.request_id, out.model, out.created, choices, usage))
-
-    async def _sse(self, stream: RequestStream, out: ResponseBuilder, include_usage: bool) -> AsyncIterator[bytes]:
-        rid = stream.request_id
-        try:
-            if out.kind == "chat":
-                first = [p.chat_delta_choice(i, "", role=True) for i in range(stream.n)]
-                yield p.sse_event(p.chat_completion_chunk(rid, out.model, out.created, first))
-            while not stream.done:
-                chunk = out.chunk(rid, await stream.next_many())
-                if chunk is not None:
-                    yield p.sse_event(chunk)
-            if include_usage:
-                usage = p.usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens)
-                yield p.sse_event(p.usage_chunk(out.kind, rid, out.model, out.created, usage))  # type: ignore[arg-type]
-        except Exception as exc:
-            yield p.sse_error_event(exc)
-        finally:
-            self._release(stream)
-        yield p.SSE_DONE
+            for eid in stream.unfinished():
+                self._background(self._abort(eid))

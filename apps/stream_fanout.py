@@ -12,8 +12,11 @@ arrive for an unknown request), read the queue until every sequence finished,
 then ``close(request_id)``. Deltas of requests not open (already closed,
 e.g. after a client disconnect) are dropped.
 
-If polling fails (the actor died or is unreachable) every open request gets a
-final ``finish_reason="error"`` delta, so no handler waits forever.
+If polling fails, the task retries with a short backoff. Every open request
+gets a final ``finish_reason="error"`` delta (so no handler waits forever)
+when the actor is dead (``ActorDiedError``: nothing more will come) or polls
+have kept failing for ``fail_after_s``; a transient error (a timeout, an
+actor briefly unreachable) costs the open streams nothing but a delay.
 
 ``EventStreamResponse`` is the SSE response that guarantees a streaming
 request is released (aborted if unfinished) when its client goes away.
@@ -23,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
+from ray.exceptions import ActorDiedError
 from starlette.responses import StreamingResponse
 
 from actors.outputs import SequenceDelta
@@ -34,15 +39,20 @@ from apps.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-RETRY_DELAY_S = 1.0  # between failed polls: the actor is down, do not spin
+# Between failed polls: start short (a blip should cost little), double up to a second (do not spin).
+RETRY_DELAY_S = (0.05, 1.0)
+# Polls failing this long mean the actor is gone for good, whatever the error says.
+FAIL_AFTER_S = 5.0
 
 
 class StreamFanout:
     """Routes the scheduler actor's step messages to per-request queues (one event loop)."""
 
     def __init__(self, actor: Any, consumer_id: str, *, poll_timeout_s: float = 1.0,
-                 observer: Callable[[list[SequenceDelta]], None] | None = None) -> None:
+                 observer: Callable[[list[SequenceDelta]], None] | None = None,
+                 fail_after_s: float = FAIL_AFTER_S) -> None:
         self._actor = actor
+        self._fail_after_s = fail_after_s
         self._observer = observer  # sees every step's deltas first (metrics)
         self.consumer_id = consumer_id
         self._poll_timeout_s = poll_timeout_s
@@ -72,10 +82,14 @@ class StreamFanout:
         if self._task is not None:
             self._task.cancel()
 
-    def open(self, request_id: str) -> asyncio.Queue[SequenceDelta]:
-        """The queue that will receive ``request_id``'s deltas; call before submitting it."""
+    def open(self, request_id: str,
+             queue: asyncio.Queue[SequenceDelta] | None = None) -> asyncio.Queue[SequenceDelta]:
+        """The queue that will receive ``request_id``'s deltas; call before submitting it.
+
+        Pass ``queue`` to share one queue among requests (a batch of prompts).
+        """
         self.start()
-        queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
+        queue = asyncio.Queue() if queue is None else queue
         self._queues[request_id] = queue
         return queue
 
@@ -96,16 +110,27 @@ class StreamFanout:
             queue.put_nowait(SequenceDelta(rid, 0, [], "", None, "error", error=message))
 
     async def _run(self) -> None:
+        failing_since: float | None = None  # when the current run of failed polls began
+        delay = RETRY_DELAY_S[0]
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 messages = await self._actor.next_outputs.remote(self.consumer_id, self._poll_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.error("polling the scheduler actor failed: %r", exc)
-                self.fail_open(f"the replica lost its scheduler: {type(exc).__name__}")
-                await asyncio.sleep(RETRY_DELAY_S)
+                now = loop.time()
+                failing_since = now if failing_since is None else failing_since
+                if isinstance(exc, ActorDiedError) or now - failing_since >= self._fail_after_s:
+                    logger.error("polling the scheduler actor failed: %r; failing open requests", exc)
+                    self.fail_open(f"the replica lost its scheduler: {type(exc).__name__}")
+                    failing_since = None  # requests opened from now on get their own grace
+                else:
+                    logger.warning("polling the scheduler actor failed (retrying): %r", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_DELAY_S[1])
                 continue
+            failing_since, delay = None, RETRY_DELAY_S[0]
             for message in messages:
                 if self._observer is not None:
                     try:
@@ -116,7 +141,12 @@ class StreamFanout:
 
 
 class RequestStream:
-    """One request's view of the channel: its queue plus what the response needs to count.
+    """One response's view of the channel: its queue plus what the response needs to count.
+
+    A response is one engine request, or several sharing one queue (a batch
+    of prompts, ``request_ids``): choice ``k * n + j`` is sequence ``j`` of
+    the ``k``-th request, as OpenAI and vLLM index a batch's choices.
+    Deltas come out of ``next``/``next_many`` with that choice index.
 
     ``next()`` returns the next delta and raises ``APIError`` when the engine
     ended the request with "error" (500) or "abort" (503): the HTTP layer turns
@@ -124,16 +154,30 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, queue: asyncio.Queue[SequenceDelta], *, n: int,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, request_ids: Sequence[str] | None = None) -> None:
         self.request_id = request_id
+        self.request_ids = [request_id] if request_ids is None else list(request_ids)
+        self._first_choice = {rid: k * n for k, rid in enumerate(self.request_ids)}
         self.queue = queue
-        self.n = n
+        self.n = n * len(self.request_ids)  # choices
+        self._n_per_request = n
         self.num_prompt_tokens = num_prompt_tokens
         self.num_completion_tokens = 0
-        self.num_cached_tokens = 0
+        self._cached: dict[str, int] = {}  # engine request id -> its cached prompt tokens
         self.released = False  # the HTTP layer has let go of it (and aborted it if unfinished)
         self._held: SequenceDelta | None = None  # an error/abort delta next_many() held back
-        self.finish_reasons: list[str | None] = [None] * n
+        self.finish_reasons: list[str | None] = [None] * self.n
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, over every request of the response."""
+        return sum(self._cached.values())
+
+    def unfinished(self) -> list[str]:
+        """The engine request ids with a sequence not yet finished."""
+        n = self._n_per_request
+        return [rid for k, rid in enumerate(self.request_ids)
+                if any(r is None for r in self.finish_reasons[k * n:(k + 1) * n])]
 
     @property
     def done(self) -> bool:
@@ -172,9 +216,13 @@ class RequestStream:
         if delta.finish_reason == "abort":
             raise APIError(503, "the request was aborted by the server", code="request_aborted")
         self.num_completion_tokens += len(delta.token_ids)
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        rid = delta.request_id
+        self._cached[rid] = max(self._cached.get(rid, 0), delta.num_cached_tokens)
+        choice = self._first_choice[rid] + delta.index
+        if choice != delta.index:
+            delta = replace(delta, index=choice)
         if delta.finish_reason is not None:
-            self.finish_reasons[delta.index] = delta.finish_reason
+            self.finish_reasons[choice] = delta.finish_reason
         return delta
 
 

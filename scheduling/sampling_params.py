@@ -10,6 +10,7 @@ from scheduling.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def _check_range(param: str, value: float, lo: float, hi: float) -> None:
@@ -34,6 +35,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k`` of -1 or 0 disables top-k.
     ``logprobs`` asks for that many top alternatives (plus the chosen token)
     at every generated position. ``n`` sequences share the prompt.
+    ``logit_bias`` adds a value in [-100, 100] to the logits of token ids
+    (given as a mapping, stored as sorted ``(id, bias)`` pairs); ids are
+    checked against the vocabulary where it is known (the HTTP layer).
     """
 
     max_tokens: int = 16
@@ -50,6 +54,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists from callers, store tuples so the object stays hashable/immutable.
@@ -84,6 +89,14 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _check_int("n", self.n, 1, MAX_N)
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+        for pair in pairs:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidParameterError("logit_bias", "must map token ids to numbers")
+            _check_int("logit_bias", pair[0], 0)
+            _check_range("logit_bias", pair[1], -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
 
     @property
     def greedy(self) -> bool:
@@ -100,8 +113,8 @@ class SamplingParams:
     def sampler_view(self) -> SamplingParams:
         """These params with every field the sampler ignores at its default, interned.
 
-        The sampler reads temperature, top-p/k, min-p, seed, penalties and
-        logprobs; max_tokens, stop, ignore_eos and n are the engine's. A batch
+        The sampler reads temperature, top-p/k, min-p, seed, penalties,
+        logprobs and logit_bias; max_tokens, stop, ignore_eos and n are the engine's. A batch
         carries views, so requests with equal sampler settings share one
         object and a batch sent to a shard pickles it once (per-request
         objects were 87% of a 64-sequence batch's pickling time).
@@ -109,6 +122,7 @@ class SamplingParams:
         return _interned_view(
             self.temperature, self.top_p, self.top_k, self.min_p, self.seed,
             self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.logprobs,
+            self.logit_bias,
         )
 
 
@@ -116,9 +130,10 @@ class SamplingParams:
 def _interned_view(
     temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
     presence_penalty: float, frequency_penalty: float, repetition_penalty: float, logprobs: int | None,
+    logit_bias: tuple[tuple[int, float], ...],
 ) -> SamplingParams:
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, logprobs=logprobs,
+        repetition_penalty=repetition_penalty, logprobs=logprobs, logit_bias=logit_bias,
     )

@@ -15,7 +15,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -32,6 +32,7 @@ ENGINE: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_ba
                           "num_kv_pages": 256, "dtype": "float32", "device": "cpu", "cpu_threads": 1}
 ACTOR_NAMESPACE = "flotilla-test-server"
 TIMEOUT = 60.0
+POLL_START_S, POLL_MAX_S = 0.005, 0.1  # poll_until's backoff
 
 
 def free_port() -> int:
@@ -64,26 +65,41 @@ class LiveServer:
         return cast(EngineStats, ray.get(actor.stats.remote(), timeout=TIMEOUT))
 
     def assert_pages_free(self, deadline_s: float = 10.0) -> None:
-        """Within ``deadline_s`` no request is in flight and every KV page is free or evictable.
+        """Within ``deadline_s`` no request is in flight and every KV page is free or evictable."""
+        last: list[EngineStats] = []
 
-        Each check is one round trip to the actor, so the bounded loop needs no sleep.
-        """
-        end = time.monotonic() + deadline_s
-        while True:
+        def freed() -> bool:
             s = self.stats()
-            if (s.num_unfinished_requests == 0 and s.num_kv_pages_locked == 0
-                    and s.num_kv_pages_free + s.num_kv_pages_evictable == s.num_kv_pages_total):
-                return
-            assert time.monotonic() < end, f"KV pages not freed: {s}"
+            last[:] = [s]
+            return (s.num_unfinished_requests == 0 and s.num_kv_pages_locked == 0
+                    and s.num_kv_pages_free + s.num_kv_pages_evictable == s.num_kv_pages_total)
+
+        poll_until(freed, deadline_s, lambda: f"KV pages not freed: {last}")
+
+
+def poll_until(check: Callable[[], bool], timeout_s: float, what: str | Callable[[], str]) -> None:
+    """Call ``check`` until it is true; fail with ``what`` after ``timeout_s``.
+
+    Between calls it sleeps 5 ms, doubling to 100 ms: a server that needs a
+    moment is seen within ~100 ms, and a poller never takes a core from it
+    (the tests share two cores with the servers they poll).
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = POLL_START_S
+    while not check():
+        if time.monotonic() >= deadline:
+            raise AssertionError(what() if callable(what) else f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, POLL_MAX_S)
 
 
 def wait_healthy(url: str, timeout_s: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def healthy() -> bool:
         with contextlib.suppress(OSError, ValueError):  # not listening, or a non-JSON 404 yet
-            if http(f"{url}/health")[0] == 200:
-                return
-        assert time.monotonic() < deadline, f"{url} never became healthy"
+            return http(f"{url}/health")[0] == 200
+        return False
+
+    poll_until(healthy, timeout_s, f"{url} to become healthy")
 
 
 @contextlib.contextmanager

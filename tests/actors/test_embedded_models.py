@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from actors.embedded_models import (
     EMBEDDED_MODELS,
     SPECS,
-    _bytes_to_unicode,
+    bytes_to_unicode,
     ensure_embedded_model,
     spec_hash,
 )
@@ -38,7 +38,7 @@ def test_tiny_loads_with_the_advertised_size(tiny_dir: Path) -> None:
 def test_byte_ids_and_round_trip(tiny_dir: Path) -> None:
     tok = load_tokenizer(tiny_dir)
     assert len(tok) == 512
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     assert [tok.convert_tokens_to_ids(alphabet[b]) for b in range(256)] == list(range(256))
     rng = random.Random(0)
     texts = [

@@ -21,6 +21,7 @@ from actors.executor import Executor
 from actors.outputs import SequenceDelta
 from kvcache.kv_pool import KVCapacity
 from scheduling.batch import Batch, StepOutput
+from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
 _BYTES = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte-level characters
@@ -132,3 +133,16 @@ def test_length_end_without_a_stop_string_still_flushes(model_dir: Path) -> None
     (x, h_lead) = _ids("x", _H_LEAD)
     text, reason = _run(model_dir, [x, h_lead], SamplingParams(max_tokens=2, stop=("q",)))
     assert (text, reason) == ("xh\ufffd", "length")
+
+
+def test_logit_bias_ids_past_the_vocabulary_are_refused_and_nothing_is_queued(model_dir: Path) -> None:
+    tok = _tokenizer()
+    config = EngineConfig(model=str(model_dir), max_model_len=64, max_num_seqs=4,
+                          max_num_batched_tokens=64, page_size=16, device="cpu")
+    engine = LLMEngine(config, ScriptedExecutor(model_dir, len(tok), []))
+    with pytest.raises(InvalidParameterError) as info:
+        engine.add_request("r", tok.encode("ab"), SamplingParams(logit_bias={len(tok): 1.0}))
+    assert info.value.param == "logit_bias" and str(len(tok)) in str(info.value)
+    assert not engine.has_unfinished
+    engine.add_request("r", tok.encode("ab"), SamplingParams(logit_bias={len(tok) - 1: 1.0}))  # the last id is fine
+    assert engine.has_unfinished

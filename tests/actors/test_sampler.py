@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from actors.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from actors.logit_adjust import apply_penalties
+from actors.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from scheduling.batch import StepOutput
 from scheduling.sampling_params import SamplingParams
 
@@ -256,6 +257,29 @@ def test_logprobs_are_raw_log_softmax() -> None:
         assert lp.top_token_ids == ids[:n].tolist()
         assert lp.top_logprobs == pytest.approx(values[:n].tolist(), abs=1e-5)
         assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+
+
+def test_logit_bias_steers_only_its_rows() -> None:
+    """+100 forces a token, -100 bans one, greedy or sampled; unbiased rows and logprobs are untouched."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(8))
+    original = logits.clone()
+    best = logits.argmax(dim=-1).tolist()
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={5: 100.0}),
+        GREEDY,
+        SamplingParams(temperature=0.0, logit_bias={best[2]: -100.0}, logprobs=1),
+        SamplingParams(temperature=1.0, seed=1, logit_bias={7: 100.0, 8: -3.0}),
+        SamplingParams(temperature=1.0, seed=1),
+    ]
+    out = _sample(Sampler(seed=0), logits, params)
+    assert out.token_ids[:4] == [5, best[1], second[2], 7]
+    assert out.token_ids[4] == _sample(Sampler(seed=0), logits[4:], params[4:]).token_ids[0]
+    assert torch.equal(logits, original)
+    lp = out.logprobs[2]
+    assert lp is not None  # raw: the model's distribution, before the bias
+    assert lp.logprob == pytest.approx(logits[2].log_softmax(dim=-1)[second[2]].item(), abs=1e-5)
+    assert lp.top_token_ids == [best[2]]
 
 
 def _empirical(params: SamplingParams, logits: torch.Tensor, rows: int) -> torch.Tensor:

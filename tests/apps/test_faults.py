@@ -13,7 +13,7 @@ scheduler died is replaced in seconds).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,31 +35,21 @@ from tests.actors.fault_injection import (
     side_app,
     wait_dead,
 )
-from tests.serve_harness import ACTOR_NAMESPACE, LiveServer, http
+from tests.serve_harness import ACTOR_NAMESPACE, LiveServer, http, poll_until
 
 APP = "faults"
 DEADLINE_S = 180.0  # bound of every wait (a replacement starts 2-3 processes; CI boxes are slow)
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}  # fits max_model_len below
 
 
-# Placement groups of killed schedulers still alive after their replacement served (see the
-# last test): Ray ties a placement group to its creator actor AND job, so a dead scheduler's
-# group outlives it unless flotilla removes it.
-LEAKED: list[Any] = []
-# (status, message) of requests a replica answered after its scheduler died, before its replacement.
-ORPHANED: list[tuple[int, str]] = []
-
-
 @pytest.fixture(scope="module")
 def faults(live: LiveServer, tiny_model_dir: Path) -> Iterator[LiveServer]:
-    # replica_options num_cpus 0: the 4-CPU cluster then has room for two leaked shard groups
-    # (the last test reports them) beside the live app's replica and this app's shard.
+    # replica_options num_cpus 0: the 4-CPU cluster then has room for a leaked shard group
+    # (the kill tests fail on it, then remove it) beside the live app's replica and this app's shard.
     with side_app(live.url, APP, str(tiny_model_dir), health_check_period_s=1.0, executor="ray",
                   max_model_len=256, max_num_seqs=8, num_kv_pages=24,
                   replica_options={"num_cpus": 0}) as app:
         yield app
-    for group in LEAKED:  # give the cluster back to the package's other modules
-        remove_placement_group(group)
     live.assert_pages_free()  # the shared app was never disturbed
 
 
@@ -74,10 +64,8 @@ def _scheduler(app: LiveServer) -> Any:
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
-    """Poll ``check`` (each call a round trip to the cluster) until true, at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    """Poll ``check`` (each call a round trip to the cluster) with backoff until true, at most ``timeout_s``."""
+    poll_until(check, timeout_s, what)
 
 
 def _replica_id(app_name: str = APP) -> str | None:
@@ -85,7 +73,7 @@ def _replica_id(app_name: str = APP) -> str | None:
     return replicas[0]._actor_id.hex() if len(replicas) == 1 else None
 
 
-def _healthy_again(app: LiveServer, old_replica: str | None) -> None:
+def _healthy_again(app: LiveServer, old_replica: str | None, timeout_s: float = DEADLINE_S) -> None:
     """A new replica serves (its scheduler answers /health): bounded, never a sleep."""
     def replaced() -> bool:
         new = _replica_id()
@@ -95,7 +83,7 @@ def _healthy_again(app: LiveServer, old_replica: str | None) -> None:
             return http(f"{app.url}/health")[0] == 200
         except OSError:
             return False
-    _until("the replica to be replaced", replaced)
+    _until("the replica to be replaced", replaced, timeout_s)
 
 
 def _shard_group(app: LiveServer) -> Any:
@@ -107,10 +95,19 @@ def _shard_group(app: LiveServer) -> Any:
     return ray.get(_scheduler(app).__ray_call__.remote(group))
 
 
-def _note_leak(group: Any) -> None:
-    """After a replacement served: is the killed scheduler's shard group still holding its CPUs?"""
-    if placement_group_table(group)["state"] != "REMOVED":
-        LEAKED.append(group)
+@contextlib.contextmanager
+def _group_released(group: Any) -> Iterator[None]:
+    """After the block (a replacement served): the killed scheduler's shard group no longer holds its CPUs.
+
+    Ray ties a placement group to its creator actor AND job, so a dead scheduler's group
+    outlives it unless flotilla removes it. A leaked group is removed before failing, so the
+    cluster is whole again for the tests that follow.
+    """
+    yield
+    state = placement_group_table(group)["state"]
+    if state != "REMOVED":
+        remove_placement_group(group)
+    assert state == "REMOVED", f"the killed scheduler's shard group is {state}: it still reserves CPUs/GPUs"
 
 
 def _ends_ok(app: LiveServer) -> None:
@@ -204,6 +201,11 @@ def test_replica_kill_mid_stream(faults: LiveServer, sdk: Client) -> None:
     ray.get(_scheduler(faults).__ray_call__.remote(install_faults, control))
     old, group = _replica_id(), _shard_group(faults)
     assert old is not None
+    with _group_released(group):
+        _kill_replica_mid_stream(faults, sdk, control, old)
+
+
+def _kill_replica_mid_stream(faults: LiveServer, sdk: Client, control: Any, old: str) -> None:
     started = _stream_until_first_token(sdk, "killed mid-stream")
     # Hold the next step, so a second stream is queued with no token when the replica dies.
     ray.get(control.plan_.remote(NEXT_STEP, "hold:replica"))
@@ -224,7 +226,6 @@ def test_replica_kill_mid_stream(faults: LiveServer, sdk: Client) -> None:
         assert isinstance(text, str)
     _healthy_again(faults, old)
     _ends_ok(faults)
-    _note_leak(group)
 
 
 def _drain_text(stream: Any) -> tuple[str, int]:
@@ -235,36 +236,48 @@ def _drain_text(stream: Any) -> tuple[str, int]:
 
 def test_scheduler_kill_fails_in_flight_and_replaces_replica(faults: LiveServer, sdk: Client) -> None:
     old, group = _replica_id(), _shard_group(faults)
-    streaming = _stream_until_first_token(sdk, "scheduler dies")
-    with cf.ThreadPoolExecutor(1) as pool:
-        whole = pool.submit(http, f"{faults.url}/v1/completions", {"prompt": "whole", **LONG})
-        _until("the JSON request to run", lambda: faults.stats().num_unfinished_requests == 2)
-        scheduler = _scheduler(faults)
-        ray.kill(scheduler, no_restart=True)
-        wait_dead(scheduler)
-        err = _drain(streaming)
-        assert isinstance(err, APIStatusError) and err.status == 500, err
-        assert "lost its scheduler" in err.message
-        status, body = whole.result(DEADLINE_S)
-        assert status == 500 and "lost its scheduler" in body["error"]["message"], body
-    # Until Serve replaces it, the replica still takes requests: each must get a clear answer.
-    status, body = http(f"{faults.url}/v1/completions", {"prompt": "meanwhile", "max_tokens": 2})
-    if status != 200:  # a 200 came from the successor: no orphan answer to judge
-        ORPHANED.append((status, body["error"]["message"]))
-    _healthy_again(faults, old)  # check_health failed: Serve replaced the replica
+    with _group_released(group):
+        streaming = _stream_until_first_token(sdk, "scheduler dies")
+        with cf.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(http, f"{faults.url}/v1/completions", {"prompt": "whole", **LONG})
+            _until("the JSON request to run", lambda: faults.stats().num_unfinished_requests == 2)
+            scheduler = _scheduler(faults)
+            ray.kill(scheduler, no_restart=True)
+            wait_dead(scheduler)
+            err = _drain(streaming)
+            assert isinstance(err, APIStatusError) and err.status == 500, err
+            assert "lost its scheduler" in err.message
+            status, body = whole.result(DEADLINE_S)
+            assert status == 500 and "lost its scheduler" in body["error"]["message"], body
+        # Until Serve replaces it, the replica still takes requests: each must get a clear answer,
+        # a 503 naming the engine (a 200 came from the successor: nothing to judge then).
+        status, body = http(f"{faults.url}/v1/completions", {"prompt": "meanwhile", "max_tokens": 2})
+        if status != 200:
+            assert status == 503, body
+            assert "scheduler" in body["error"]["message"] or "engine" in body["error"]["message"], body
+        _healthy_again(faults, old)  # check_health failed: Serve replaced the replica
+        _ends_ok(faults)
+
+
+def _break_restarts(service: Any) -> None:
+    """Run in a SchedulerActor: from now on its executor cannot be restarted."""
+    service._engine.executor.restart = _restart_fails
+
+
+def _restart_fails() -> None:
+    raise RuntimeError("no device left (injected)")
+
+
+def test_replica_whose_executor_cannot_restart_is_replaced(faults: LiveServer, sdk: Client) -> None:
+    """The executor fails and its restart fails too: the health check fails and Serve replaces the replica."""
+    control = Signals.remote()  # type: ignore[attr-defined]
+    scheduler = _scheduler(faults)
+    ray.get(scheduler.__ray_call__.remote(install_faults, control))
+    ray.get(scheduler.__ray_call__.remote(_break_restarts))
+    old = _replica_id()
+    ray.get(control.plan_.remote(NEXT_STEP, "executor"))
+    status, body = http(f"{faults.url}/v1/completions", {"prompt": "breaks the executor", "max_tokens": 4})
+    assert status == 500 and "executor failed" in body["error"]["message"], body
+    _until("the restart to fail", lambda: "restart failed" in str(ray.get(scheduler.health.remote()).message), 30.0)
+    _healthy_again(faults, old, timeout_s=60.0)  # the old replica, left in rotation, would fail every request
     _ends_ok(faults)
-    _note_leak(group)
-
-
-def test_killed_schedulers_release_their_shard_groups(faults: LiveServer) -> None:
-    """Runs after the two kill tests (file order): no shard group of a dead scheduler is left."""
-    assert not LEAKED, f"{len(LEAKED)} placement group(s) of killed schedulers still reserve CPUs/GPUs"
-
-
-def test_replica_without_scheduler_answers_503(faults: LiveServer) -> None:
-    """Runs after the scheduler-kill test (file order), which sent one request in that window."""
-    if not ORPHANED:
-        pytest.skip("the replica was replaced before the probe request reached it")
-    for status, message in ORPHANED:
-        assert status == 503, (status, message)
-        assert "scheduler" in message or "engine" in message, message

@@ -19,7 +19,7 @@ from apps.request_params import (
     DEFAULT_MAX_BODY_BYTES,
     chat_messages,
     check_model,
-    completion_prompt,
+    completion_prompts,
     parse_request,
     to_sampling_params,
 )
@@ -39,7 +39,7 @@ def serve(body: bytes | dict[str, Any], chat: bool = False, n_prompt: int = 4) -
         chat_messages(chat_req)
         return to_sampling_params(chat_req, max_model_len=MAX_LEN, num_prompt_tokens=n_prompt)
     req = parse_request(raw, P.CompletionRequest)
-    completion_prompt(req)
+    completion_prompts(req)
     return to_sampling_params(req, max_model_len=MAX_LEN, num_prompt_tokens=n_prompt)
 
 
@@ -68,7 +68,8 @@ def test_non_object_or_invalid_json_is_400_without_param(body: bytes) -> None:
 C = {"model": "tiny", "prompt": "hi"}
 BAD_COMPLETION = [
     ({"model": "tiny"}, "prompt"), ({**C, "prompt": ""}, "prompt"), ({**C, "prompt": []}, "prompt"),
-    ({**C, "prompt": [[]]}, "prompt"), ({**C, "prompt": [""]}, "prompt"), ({**C, "prompt": ["a", "b"]}, "prompt"),
+    ({**C, "prompt": [[]]}, "prompt"), ({**C, "prompt": [""]}, "prompt"), ({**C, "prompt": ["a", ""]}, "prompt"),
+    ({**C, "prompt": [[1], []]}, "prompt"), ({**C, "prompt": ["a", [1]]}, "prompt"),
     ({**C, "prompt": 5}, "prompt"), ({**C, "prompt": [1.5]}, "prompt"), ({**C, "prompt": [True]}, "prompt"),
     ({**C, "max_tokens": "ten"}, "max_tokens"), ({**C, "max_tokens": 0}, "max_tokens"),
     ({**C, "max_tokens": -3}, "max_tokens"), ({**C, "max_tokens": 2.0}, "max_tokens"),
@@ -88,6 +89,10 @@ BAD_COMPLETION = [
     ({**C, "stop_token_ids": [-1]}, "stop_token_ids"), ({**C, "ignore_eos": 1}, "ignore_eos"),
     ({**C, "echo": True}, "echo"), ({**C, "suffix": "x"}, "suffix"), ({**C, "best_of": 3}, "best_of"),
     ({**C, "model": 7}, "model"),
+    ({**C, "logit_bias": {"x": 1}}, "logit_bias"), ({**C, "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({**C, "logit_bias": {"5": 100.5}}, "logit_bias"), ({**C, "logit_bias": {"5": -101}}, "logit_bias"),
+    ({**C, "logit_bias": {"5": "a"}}, "logit_bias"),
+    ({**C, "logit_bias": [5]}, "logit_bias"),
 ]
 
 
@@ -108,6 +113,9 @@ BAD_CHAT = [
     ({**M, "logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({**M, "top_logprobs": 2}, "top_logprobs"),
     ({**M, "temperature": 3}, "temperature"), ({**M, "n": MAX_N + 1}, "n"), ({**M, "stop": ""}, "stop"),
     ({**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**M, "tool_choice": "auto"}, "tool_choice"), ({**M, "tool_choice": "required"}, "tool_choice"),
+    ({**M, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({**M, "logit_bias": {"5": 200}}, "logit_bias"),
     ({**M, "response_format": {"type": "json_object"}}, "response_format"),
 ]
 
@@ -180,8 +188,10 @@ def test_internal_errors_do_not_leak(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_happy_path_variants() -> None:
-    for prompt, want in [("x", "x"), ([1, 2], [1, 2]), (["x"], "x"), ([[3, 4]], [3, 4])]:
-        assert completion_prompt(parse_request(json.dumps({**C, "prompt": prompt}).encode(), P.CompletionRequest)) == want
+    for prompt, want in [("x", ["x"]), ([1, 2], [[1, 2]]), (["x"], ["x"]), ([[3, 4]], [[3, 4]]),
+                         (["a", "b", "c"], ["a", "b", "c"]), ([[1], [2, 3]], [[1], [2, 3]])]:
+        req = parse_request(json.dumps({**C, "prompt": prompt}).encode(), P.CompletionRequest)
+        assert completion_prompts(req) == want
     nulls = {**C, "temperature": None, "n": None, "stop": None, "stream": None, "top_p": None, "unknown": {"x": 1}}
     assert serve(nulls) == SamplingParams(max_tokens=16)
     parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
@@ -193,6 +203,10 @@ def test_happy_path_variants() -> None:
     params = serve({**M, "logprobs": True, "top_logprobs": 3, "stop": "\n", "seed": 5, "top_k": 4}, chat=True)
     assert (params.logprobs, params.stop, params.seed, params.top_k) == (3, ("\n",), 5, 4)
     assert serve({**M, "logprobs": True}, chat=True).logprobs == 0
+    assert serve({**M, "tool_choice": "none"}, chat=True) == serve(M, chat=True)  # "none" is what we do
+    biased = serve({**C, "logit_bias": {"7": 5, "3": -100, "0": 100.0}})
+    assert biased.logit_bias == ((0, 100.0), (3, -100.0), (7, 5.0))
+    assert biased.sampler_view().logit_bias == biased.logit_bias
 
 
 def lp(tid: int, logprob: float) -> TokenLogprobs:
@@ -206,7 +220,7 @@ def decode(tid: int) -> str:
 def test_builders_parse_with_openai_types() -> None:
     entries = [lp(0, -0.1), lp(1, -0.2)]
     usage = P.usage(4, 2, num_cached_tokens=3)
-    clp = P.completion_logprobs(entries, decode, text_offset=5)
+    clp = P.completion_logprobs(entries, decode, [5, 6])
     assert clp["text_offset"] == [5, 6] and clp["top_logprobs"][0] == {"a": -0.1, "b": P.MIN_LOGPROB}
     full = P.completion_response("cmpl-1", "tiny", 1, [P.completion_choice(0, "ab", "length", clp)], usage)
     parsed = Completion.model_validate(json.loads(json.dumps(full, allow_nan=False)))
@@ -214,7 +228,7 @@ def test_builders_parse_with_openai_types() -> None:
     last = P.completion_chunk("cmpl-1", "tiny", 1, [P.completion_choice(0, "b", "stop")])
     Completion.model_validate(last)
     Completion.model_validate(P.usage_chunk("completion", "cmpl-1", "tiny", 1, usage))
-    chat_lp = P.chat_logprobs(entries, decode)
+    chat_lp = P.chat_logprobs(entries, decode, lambda tid: decode(tid).encode())
     chat = P.chat_completion_response("chat-1", "tiny", 1, [P.chat_choice(0, "ab", "stop", chat_lp)], usage)
     got = ChatCompletion.model_validate(json.loads(json.dumps(chat, allow_nan=False)))
     assert got.choices[0].logprobs.content[1].top_logprobs[1].logprob == P.MIN_LOGPROB  # type: ignore[index,union-attr]

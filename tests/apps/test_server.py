@@ -10,6 +10,7 @@ import openai
 import pytest
 import yaml
 from ray import serve
+from ray.exceptions import ActorDiedError
 
 from actors.outputs import SequenceDelta
 from actors.step_messages import StepMessage
@@ -33,7 +34,7 @@ class _FakeActor:
 
     async def remote(self, consumer_id: str, timeout_s: float) -> list[StepMessage]:
         if not self.batches:
-            raise ConnectionError("actor died")
+            raise ActorDiedError()
         return self.batches.pop(0)
 
 

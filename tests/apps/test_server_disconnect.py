@@ -6,12 +6,11 @@ import asyncio
 import json
 import random
 import socket
-import time
 
 import aiohttp
 import httpx2
 
-from tests.serve_harness import TIMEOUT, LiveServer, http
+from tests.serve_harness import TIMEOUT, LiveServer, http, poll_until
 
 LONG = {"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True}
 
@@ -44,9 +43,7 @@ def _send_raw(live: LiveServer, body: dict[str, object]) -> socket.socket:
 def test_non_streaming_disconnect_frees_pages(live: LiveServer) -> None:
     steps_before = live.stats().num_steps
     with _send_raw(live, LONG):
-        deadline = time.monotonic() + TIMEOUT
-        while live.stats().num_running == 0:
-            assert time.monotonic() < deadline, "the request never started"
+        poll_until(lambda: live.stats().num_running > 0, TIMEOUT, "the request to start")
     live.assert_pages_free(10.0)
     steps = live.stats().num_steps - steps_before
     assert steps < 1000, f"{steps} steps ran: the request was not aborted on disconnect"
@@ -55,9 +52,7 @@ def test_non_streaming_disconnect_frees_pages(live: LiveServer) -> None:
 def test_streaming_client_gone_before_first_byte_is_aborted(live: LiveServer) -> None:
     steps_before = live.stats().num_steps
     with _send_raw(live, {**LONG, "stream": True}):
-        deadline = time.monotonic() + TIMEOUT
-        while live.stats().num_unfinished_requests == 0:
-            assert time.monotonic() < deadline, "the request never arrived"
+        poll_until(lambda: live.stats().num_unfinished_requests > 0, TIMEOUT, "the request to arrive")
     live.assert_pages_free(10.0)
     assert live.stats().num_steps - steps_before < 1000
 

@@ -29,6 +29,14 @@ from scheduling.sampling_params import SamplingParams
         ({"n": 0}, "n"),
         ({"seed": "x"}, "seed"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {1: -101}}, "logit_bias"),
+        ({"logit_bias": {1: math.nan}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"1": 1.0}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: "x"}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
     ],
 )
 def test_invalid_values_name_their_parameter(kwargs: dict[str, object], param: str) -> None:
@@ -64,3 +72,7 @@ def test_sampler_view_keeps_what_the_sampler_reads_and_is_shared() -> None:
     assert (view.max_tokens, view.stop, view.n, view.ignore_eos) == (16, (), 1, False)
     assert SamplingParams(temperature=0.7, top_k=4, seed=4, logprobs=2).sampler_view() is not view
     assert SamplingParams(repetition_penalty=1.2).sampler_view().needs_penalties
+    biased = SamplingParams(max_tokens=3, logit_bias={9: -1, 2: 100})
+    assert biased.logit_bias == ((2, 100.0), (9, -1.0))  # a mapping is stored as sorted pairs
+    assert biased.sampler_view().logit_bias == biased.logit_bias
+    assert biased.sampler_view() is SamplingParams(logit_bias=((2, 100), (9, -1.0))).sampler_view()

@@ -1,0 +1,64 @@
+"""A response stream to the HTTP response: the whole JSON object, or SSE; and the error response.
+
+``LLMServer`` (``apps.server``) calls these once a request's prompts are
+submitted. Each takes ``release``, which the server runs when the response
+is done with the stream, on every path (it aborts whatever is unfinished).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse
+
+from apps import protocol as p
+from apps.errors import error_response
+from apps.response_builder import ResponseBuilder
+from apps.stream_fanout import RequestStream
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+
+def error_json(exc: BaseException) -> JSONResponse:
+    """The OpenAI error envelope of ``exc``; a 429 carries ``Retry-After``."""
+    status, body = error_response(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _usage(stream: RequestStream) -> dict[str, object]:
+    return p.usage(stream.num_prompt_tokens, stream.num_completion_tokens, stream.num_cached_tokens)
+
+
+async def whole(stream: RequestStream, out: ResponseBuilder, release: Callable[[], None]) -> JSONResponse:
+    """Read ``stream`` to its end; the whole completion (or chat completion) object."""
+    try:
+        while not stream.done:
+            out.add(await stream.next())
+    except Exception as exc:
+        return error_json(exc)
+    finally:
+        release()
+    build = p.completion_response if out.kind == "completion" else p.chat_completion_response
+    return JSONResponse(build(stream.request_id, out.model, out.created, out.choices(stream.finish_reasons),
+                              _usage(stream)))
+
+
+async def sse(stream: RequestStream, out: ResponseBuilder, include_usage: bool,
+              release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The SSE events of ``stream``: chunks, the usage chunk if asked, an error event if it failed, [DONE]."""
+    rid = stream.request_id
+    try:
+        if out.kind == "chat":
+            for chunk in out.role_chunks(rid):
+                yield p.sse_event(chunk)
+        while not stream.done:
+            for chunk in out.chunks(rid, await stream.next_many()):
+                yield p.sse_event(chunk)
+        if include_usage:
+            yield p.sse_event(p.usage_chunk(out.kind, rid, out.model, out.created, _usage(stream)))  # type: ignore[arg-type]
+    except Exception as exc:
+        yield p.sse_error_event(exc)
+    finally:
+        release()
+    yield p.SSE_DONE

@@ -15,13 +15,14 @@ from actors.executor import Executor, LocalExecutor
 from actors.loader import load_tokenizer
 from actors.log import get_logger
 from actors.outputs import SequenceDelta, SequenceTiming
-from actors.stop_checker import StopChecker
+from actors.prompt_ids import text_ids
 from kvcache.page_allocator import PageAllocator
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler import Scheduler
+from scheduling.stop_rule import StopRule
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
@@ -32,8 +33,6 @@ class _Sequence:
 
     request_id: str
     index: int
-    detokenizer: IncrementalDetokenizer
-    stop: StopChecker
     want_logprobs: bool
 
 
@@ -58,8 +57,7 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt; ids out of the vocabulary are refused."""
         if isinstance(prompt, str):
-            ids: list[int] = self.tokenizer(prompt)["input_ids"]
-            return ids
+            return text_ids(self.tokenizer, prompt)
         if not isinstance(prompt, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -96,14 +94,13 @@ class LLMEngine:
                 if params.n > 1 and params.seed is not None:
                     child_params = _with_seed(params, params.seed + i)
                 sid = request_id if params.n == 1 else f"{request_id}#{i}"
-                req = Request(sid, ids, child_params, namespace=namespace, eos_token_id=self.eos_token_id)
+                stop = StopRule(child_params, self.eos_token_id, IncrementalDetokenizer(self.tokenizer, ids))
+                req = Request(sid, ids, child_params, namespace=namespace, eos_token_id=self.eos_token_id,
+                              stop_rule=stop)
                 # Siblings start from the first one's prompt pages: computed once.
                 self.scheduler.add(req, share_prompt_with=children[0] if children else None)
                 children.append(sid)
-                self._seqs[sid] = _Sequence(
-                    request_id, i, IncrementalDetokenizer(self.tokenizer, ids),
-                    StopChecker(child_params, self.eos_token_id), params.logprobs is not None,
-                )
+                self._seqs[sid] = _Sequence(request_id, i, params.logprobs is not None)
         except Exception:
             for sid in children:
                 self.scheduler.abort(sid)
@@ -210,28 +207,16 @@ class LLMEngine:
             raise
 
     def finish_step(self, batch: Batch, output: StepOutput) -> list[SequenceDelta]:
-        """Apply a step's sampled tokens: detokenize, check stops, emit deltas.
+        """Apply a step's sampled tokens (the scheduler detokenizes and stops them); emit deltas.
 
         Requests aborted while the step ran are skipped (the scheduler drops them).
         """
         update = self.scheduler.update(batch, output)
-        finished_ids = {r.request_id for r in update.finished}
         deltas: list[SequenceDelta] = []
-        for req, token, row in update.sampled:
+        for req, token, row, text in update.sampled:
             seq = self._seqs[req.request_id]
-            text, stop_reason = _on_token(seq, token)
-            done = req.request_id in finished_ids
-            if stop_reason is not None and not done:
-                self.scheduler.finish(req.request_id, stop_reason)  # a stop string
-                done = True
-            reason: str | None = None
-            if done:
-                if stop_reason is None:
-                    # Ended by length: release held-back text, which may itself
-                    # complete a stop string (then the reason is "stop").
-                    tail, stop_reason = _flush(seq)
-                    text += tail
-                reason = stop_reason or req.finish_reason
+            reason = req.finish_reason  # set by the scheduler's StopRule when this token ended it
+            done = reason is not None
             lp = output.logprobs[row]
             deltas.append(SequenceDelta(
                 seq.request_id, seq.index, [token], text,
@@ -258,34 +243,6 @@ def _timing(req: Request) -> SequenceTiming:
         req.arrival_time, req.first_token_time, req.last_token_time, len(req.output_token_ids),
         req.first_scheduled_time,
     )
-
-
-def _on_token(seq: _Sequence, token: int) -> tuple[str, str | None]:
-    """Text one sampled token lets out, and "stop" if it or a stop string ends the sequence.
-
-    A stop token adds no text of its own, but the bytes the detokenizer held
-    back before it (a character still open, maybe with whole ones before it)
-    are flushed first and checked for stop strings like any other text.
-    """
-    if not seq.stop.is_stop_token(token):
-        return seq.stop.on_token(token, seq.detokenizer.add(token))
-    tail, reason = _check_tail(seq)
-    if reason is not None:
-        return tail, reason
-    text, reason = seq.stop.on_token(token, "")
-    return tail + text, reason
-
-
-def _flush(seq: _Sequence) -> tuple[str, str | None]:
-    """Text still held when a sequence ends by length, and "stop" if it completes a stop string."""
-    tail, reason = _check_tail(seq)
-    return (tail, reason) if reason is not None else (tail + seq.stop.finish(), None)
-
-
-def _check_tail(seq: _Sequence) -> tuple[str, str | None]:
-    """The detokenizer's held-back tail, through the stop strings."""
-    tail = seq.detokenizer.flush()
-    return seq.stop.on_text(tail) if tail else ("", None)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

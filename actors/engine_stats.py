@@ -1,7 +1,7 @@
 """Stats and latency bookkeeping for the scheduler actor.
 
-``LatencyWindow`` keeps the most recent TTFT and TPOT samples in bounded
-deques, so percentiles describe current load (not the whole uptime) and
+``LatencyWindow`` keeps the most recent TTFT and TPOT samples in a bounded
+deque, so percentiles describe current load (not the whole uptime) and
 memory stays flat however long the replica runs. ``EngineStats`` is the
 small typed snapshot ``SchedulerActor.stats()`` returns; its memory figures
 are read in the process that calls ``snapshot`` (the one holding the model).
@@ -36,34 +36,40 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class LatencyWindow:
-    """The last ``size`` TTFT and TPOT samples (seconds) of finished sequences.
+    """TTFT and TPOT samples (seconds) of recently finished sequences: the one latency view.
 
-    Only sequences that ended normally ("stop" or "length") count: an aborted
-    or failed one would skew the latency a healthy request sees.
+    Every figure comes from the sequence's ``SequenceTiming`` (its ``ttft_s``
+    and ``tpot_s``, the one definition), so the scheduler actor's window, the
+    replica's and the Prometheus histograms (``cluster.metrics``) agree on
+    what TTFT and TPOT mean. Only sequences that ended normally ("stop" or
+    "length") count: an aborted or failed one would skew the latency a
+    healthy request sees. The window keeps the last ``size`` samples and,
+    with ``max_age_s``, only those observed in the last ``max_age_s``
+    seconds (``now`` is the caller's monotonic clock).
     """
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = 1024, max_age_s: float | None = None) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
-        self.ttft_s: deque[float] = deque(maxlen=size)
-        self.tpot_s: deque[float] = deque(maxlen=size)
+        self.max_age_s = max_age_s
+        self._samples: deque[tuple[float, float | None, float | None]] = deque(maxlen=size)
 
-    def observe(self, deltas: list[SequenceDelta]) -> None:
+    def observe(self, deltas: list[SequenceDelta], now: float | None = None) -> None:
         """Record the timings carried by finishing deltas (others carry none)."""
         for d in deltas:
             t = d.timing
-            if t is None or d.finish_reason not in ("stop", "length"):
-                continue
-            ttft, tpot = t.ttft_s, t.tpot_s
-            if ttft is not None:
-                self.ttft_s.append(ttft)
-            if tpot is not None:
-                self.tpot_s.append(tpot)
+            if t is not None and d.finish_reason in ("stop", "length"):
+                self._samples.append((time.monotonic() if now is None else now, t.ttft_s, t.tpot_s))
 
-    def ms(self, which: str, q: float) -> float:
-        """Percentile ``q`` of ``"ttft"`` or ``"tpot"`` in milliseconds."""
-        window = self.ttft_s if which == "ttft" else self.tpot_s
-        return round(percentile(list(window), q) * 1000.0, 3)
+    def ms(self, which: str, q: float, now: float | None = None) -> float:
+        """Percentile ``q`` of ``"ttft"`` or ``"tpot"`` in milliseconds; 0.0 with no sample."""
+        if self.max_age_s is not None:
+            oldest = (time.monotonic() if now is None else now) - self.max_age_s
+            while self._samples and self._samples[0][0] < oldest:
+                self._samples.popleft()
+        column = 1 if which == "ttft" else 2
+        values = [v for sample in self._samples if (v := sample[column]) is not None]
+        return round(percentile(values, q) * 1000.0, 3)
 
 
 @dataclass(frozen=True, slots=True)

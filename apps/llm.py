@@ -18,8 +18,10 @@ from tqdm.auto import tqdm
 
 from actors.engine import LLMEngine
 from actors.engine_config import EngineConfig
+from actors.errors import ExecutorFailure
 from actors.executor import Executor
 from actors.outputs import CompletionOutput, RequestOutput
+from actors.prompt_ids import chat_ids
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
@@ -95,7 +97,10 @@ class LLM:
                     [CompletionOutput(i) for i in range(params.n)],
                 )
             self._run(results, len(order), use_tqdm)
-        except BaseException:
+        except BaseException as exc:
+            if self.engine.has_failed_step:  # the executor raised: settle the step it left in flight
+                self.engine.fail_all(f"the engine step failed: {type(exc).__name__}: {exc}",
+                                     kv_lost=isinstance(exc, ExecutorFailure))  # shards died with their KV
             for rid in order:
                 self.engine.abort(rid)
             raise
@@ -110,12 +115,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = []
-        for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
+        prompts: list[Prompt] = [chat_ids(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from actors.prompt_ids import chat_ids, text_ids
+
 OFFLOAD_MIN_CHARS = 2048
 
 
@@ -35,14 +37,11 @@ class PromptEncoder:
 
     def ids(self, prompt: str) -> list[int]:
         """A text prompt's token ids (on the calling thread)."""
-        return list(self.tokenizer(prompt)["input_ids"])
+        return text_ids(self.tokenizer, prompt)
 
     def chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
         """A conversation through the chat template, with the generation prompt (on the calling thread)."""
-        ids: Any = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_ids(self.tokenizer, conversation)
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (token-id prompts pass through; the engine checks their range)."""

@@ -262,15 +262,6 @@ def chat_completion_chunk(
     return _envelope("chat.completion.chunk", request_id, model, created, choices, usage_obj)
 
 
-def usage_chunk(
-    kind: Literal["completion", "chat"], request_id: str, model: str, created: int,
-    usage_obj: dict[str, Any],
-) -> dict[str, Any]:
-    """The last chunk of a stream with ``include_usage``: empty ``choices``, the usage."""
-    build = completion_chunk if kind == "completion" else chat_completion_chunk
-    return build(request_id, model, created, [], usage_obj)
-
-
 # ----------------------------------------------------------------------- SSE
 def sse_event(obj: Mapping[str, Any] | BaseModel) -> bytes:
     """One server-sent event: ``data: {json}\\n\\n``."""

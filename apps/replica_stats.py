@@ -11,26 +11,26 @@
 Both read the replica's own ``SchedulerActor`` (``self._actor``) and stream
 fan-out (``self._fanout``), which ``LLMServer.__init__`` sets.
 
-Latency: the engine's own window (``EngineStats.ttft_ms_p95``) is bounded by
-count (the last 1024 sequences), which at a few requests per second is many
-minutes of history: a burst long gone would still read as a breach and keep
-the fleet scaling up. The policy needs *recent* latency, so the mixin keeps
-``RecentLatency``, the P95 over sequences finished in the last
-``LATENCY_WINDOW_S`` seconds, fed with every step's deltas by the observer
-``latency_observer`` returns (and none at all while the engine has no work:
-then no request is waiting). ``LLMServer`` builds its ``StreamFanout`` with it.
+Latency: both windows are ``actors.engine_stats.LatencyWindow`` over the same
+``SequenceTiming`` records. The engine's own (``EngineStats.ttft_ms_p95``,
+what ``stats()`` and ``/metrics`` show) is bounded by count (the last 1024
+sequences), which at a few requests per second is many minutes of history: a
+burst long gone would still read as a breach and keep the fleet scaling up.
+So the autoscaler reads the replica's window instead, the same class bounded
+also by age (sequences finished in the last ``LATENCY_WINDOW_S`` seconds),
+fed with every step's deltas by the observer ``latency_observer`` returns
+(and reads 0 while the engine has no work: then no request is waiting).
+``LLMServer`` builds its ``StreamFanout`` with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
-from actors.engine_stats import EngineStats, percentile
+from actors.engine_stats import EngineStats, LatencyWindow
 from actors.outputs import SequenceDelta
 from cluster.autoscaling_metrics import autoscaling_stats
 from cluster.request_router import ROUTING_NUM_OPEN
@@ -39,32 +39,9 @@ STATS_TIMEOUT_S = 5.0  # below Serve's 10 s limit on record_autoscaling_stats
 LATENCY_WINDOW_S = 10.0
 
 
-class RecentLatency:
-    """TTFT/TPOT samples (ms) of sequences that finished in the last ``window_s`` seconds."""
-
-    def __init__(self, window_s: float = LATENCY_WINDOW_S, max_samples: int = 4096) -> None:
-        self.window_s = window_s
-        self._samples: deque[tuple[float, float | None, float | None]] = deque(maxlen=max_samples)
-
-    def observe(self, deltas: list[SequenceDelta], now: float) -> None:
-        """Record the timings of sequences that ended normally in ``deltas``."""
-        for d in deltas:
-            t = d.timing
-            if t is None or d.finish_reason not in ("stop", "length"):
-                continue
-            ttft = (t.first_token_time - t.arrival_time) * 1000 if t.first_token_time is not None else None
-            tpot = None
-            if t.first_token_time is not None and t.last_token_time is not None and t.num_output_tokens > 1:
-                tpot = (t.last_token_time - t.first_token_time) * 1000 / (t.num_output_tokens - 1)
-            self._samples.append((now, ttft, tpot))
-
-    def p95(self, now: float) -> tuple[float, float]:
-        """``(TTFT P95, TPOT P95)`` in ms over the window; 0.0 where it holds no sample."""
-        while self._samples and self._samples[0][0] < now - self.window_s:
-            self._samples.popleft()
-        ttfts = [s[1] for s in self._samples if s[1] is not None]
-        tpots = [s[2] for s in self._samples if s[2] is not None]
-        return percentile(ttfts, 95), percentile(tpots, 95)
+def recent_latency_window() -> LatencyWindow:
+    """The replica's window: the last ``LATENCY_WINDOW_S`` seconds (at most 4096 sequences)."""
+    return LatencyWindow(4096, max_age_s=LATENCY_WINDOW_S)
 
 
 class ReplicaStats:
@@ -72,7 +49,7 @@ class ReplicaStats:
 
     _actor: Any
     _fanout: Any
-    _recent_latency: RecentLatency | None = None
+    _recent_latency: LatencyWindow | None = None
 
     def latency_observer(
         self, then: Callable[[list[SequenceDelta]], None] | None = None
@@ -82,7 +59,7 @@ class ReplicaStats:
         ``LLMServer.__init__`` should build its fan-out with
         ``observer=self.latency_observer(self.metrics.observe)``.
         """
-        window = self._recent_latency = self._recent_latency or RecentLatency()
+        window = self._recent_latency = self._recent_latency or recent_latency_window()
 
         def observe(deltas: list[SequenceDelta]) -> None:
             if then is not None:
@@ -98,11 +75,12 @@ class ReplicaStats:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Waiting and running requests, KV use and recent TTFT/TPOT P95 (ms) of this replica."""
         stats = await self._engine_stats()
-        window = self._recent_latency or RecentLatency()  # LLMServer wires it through latency_observer
-        ttft, tpot = window.p95(time.monotonic())
+        window = self._recent_latency or recent_latency_window()  # LLMServer wires it via latency_observer
+        now = time.monotonic()
+        ttft, tpot = window.ms("ttft", 95, now), window.ms("tpot", 95, now)
         if stats.num_unfinished_requests == 0 and stats.num_waiting == 0 and stats.num_running == 0:
             ttft = tpot = 0.0  # no request is waiting on this replica: no latency to speak of
-        return autoscaling_stats(replace(stats, ttft_ms_p95=round(ttft, 3), tpot_ms_p95=round(tpot, 3)))
+        return autoscaling_stats(stats, ttft_ms_p95=ttft, tpot_ms_p95=tpot)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Requests open on this replica (the router's load figure for replicas it never used)."""

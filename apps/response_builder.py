@@ -24,6 +24,7 @@ from typing import Any
 
 from actors.outputs import SequenceDelta
 from apps import protocol as p
+from apps.request_kind import RequestKind
 from scheduling.batch import TokenLogprobs
 
 
@@ -40,9 +41,10 @@ class _Piece:
 class ResponseBuilder:
     """Builds one request's choices (``add`` then ``choices``) or chunks (``chunks``)."""
 
-    def __init__(self, kind: str, model: str, created: int, want_logprobs: bool, decode: p.Decode,
+    def __init__(self, kind: RequestKind, model: str, created: int, want_logprobs: bool, decode: p.Decode,
                  token_bytes: p.TokenBytes, num_choices: int) -> None:
         self.kind, self.model, self.created = kind, model, created
+        self.shape = kind.shape
         self.want_logprobs = want_logprobs
         self.decode, self.token_bytes = decode, token_bytes
         self._emitted = [0] * num_choices  # characters of each choice's text so far
@@ -69,7 +71,7 @@ class ResponseBuilder:
     def _logprobs(self, piece: _Piece) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        if self.kind == "chat":
+        if self.kind is RequestKind.CHAT:  # chat logprobs carry bytes; completions', text offsets
             return p.chat_logprobs(piece.entries, self.decode, self.token_bytes)
         return p.completion_logprobs(piece.entries, self.decode, piece.offsets)
 
@@ -80,15 +82,20 @@ class ResponseBuilder:
 
     def choices(self, finish_reasons: list[str | None]) -> list[dict[str, Any]]:
         """Every choice of a non-streaming response, in index order."""
-        build = p.completion_choice if self.kind == "completion" else p.chat_choice
-        return [build(i, piece.text, finish_reasons[i], self._logprobs(piece))
+        return [self.shape.choice(i, piece.text, finish_reasons[i], self._logprobs(piece))
                 for i, piece in enumerate(self._whole)]
 
     # ------------------------------------------------------------ stream
-    def role_chunks(self, request_id: str) -> list[dict[str, Any]]:
-        """Chat's first chunks: one per choice, announcing the assistant role."""
-        return [p.chat_completion_chunk(request_id, self.model, self.created, [p.chat_delta_choice(i, "", role=True)])
+    def opening_chunks(self, request_id: str) -> list[dict[str, Any]]:
+        """A stream's first chunks: for chat, one per choice announcing the assistant role; else none."""
+        if not self.shape.opens_with_role:
+            return []
+        return [self.shape.chunk(request_id, self.model, self.created, [self.shape.delta_choice(i, "", role=True)])
                 for i in range(len(self._emitted))]
+
+    def usage_chunk(self, request_id: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk of a stream with ``include_usage``: empty ``choices``, the usage."""
+        return self.shape.chunk(request_id, self.model, self.created, [], usage)
 
     def chunks(self, request_id: str, deltas: list[SequenceDelta]) -> list[dict[str, Any]]:
         """One chunk per choice with news in ``deltas`` (several steps' worth when the reader fell behind).
@@ -99,7 +106,6 @@ class ResponseBuilder:
         pieces: dict[int, _Piece] = {}
         for d in deltas:
             self._take(pieces.setdefault(d.index, _Piece()), d)
-        build = p.completion_choice if self.kind == "completion" else p.chat_delta_choice
-        wrap = p.completion_chunk if self.kind == "completion" else p.chat_completion_chunk
+        build, wrap = self.shape.delta_choice, self.shape.chunk
         return [wrap(request_id, self.model, self.created, [build(i, pc.text, pc.finish, self._logprobs(pc))])
                 for i, pc in pieces.items() if pc.text or pc.finish or pc.entries]

@@ -39,8 +39,7 @@ async def whole(stream: RequestStream, out: ResponseBuilder, release: Callable[[
         return error_json(exc)
     finally:
         release()
-    build = p.completion_response if out.kind == "completion" else p.chat_completion_response
-    return JSONResponse(build(stream.request_id, out.model, out.created, out.choices(stream.finish_reasons),
+    return JSONResponse(out.shape.response(stream.request_id, out.model, out.created, out.choices(stream.finish_reasons),
                               _usage(stream)))
 
 
@@ -49,14 +48,13 @@ async def sse(stream: RequestStream, out: ResponseBuilder, include_usage: bool,
     """The SSE events of ``stream``: chunks, the usage chunk if asked, an error event if it failed, [DONE]."""
     rid = stream.request_id
     try:
-        if out.kind == "chat":
-            for chunk in out.role_chunks(rid):
-                yield p.sse_event(chunk)
+        for chunk in out.opening_chunks(rid):
+            yield p.sse_event(chunk)
         while not stream.done:
             for chunk in out.chunks(rid, await stream.next_many()):
                 yield p.sse_event(chunk)
         if include_usage:
-            yield p.sse_event(p.usage_chunk(out.kind, rid, out.model, out.created, _usage(stream)))  # type: ignore[arg-type]
+            yield p.sse_event(out.usage_chunk(rid, _usage(stream)))
     except Exception as exc:
         yield p.sse_error_event(exc)
     finally:

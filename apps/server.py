@@ -48,6 +48,7 @@ from apps.errors import APIError
 from apps.prompt_encoder import PromptEncoder
 from apps.replica_stats import ReplicaStats
 from apps.request_body import read_body
+from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
 from apps.responses import RETRY_AFTER_S, error_json, sse, whole
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
@@ -145,12 +146,12 @@ class LLMServer(ReplicaStats):
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         """OpenAI completions, JSON or SSE."""
-        return await self._generate(request, "completion")
+        return await self._generate(request, RequestKind.COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         """OpenAI chat completions, JSON or SSE."""
-        return await self._generate(request, "chat")
+        return await self._generate(request, RequestKind.CHAT)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -217,7 +218,7 @@ class LLMServer(ReplicaStats):
         return JSONResponse({"prompt": text})
 
     # ------------------------------------------------------------- generation
-    async def _inputs(self, request: Request, kind: str) -> tuple[
+    async def _inputs(self, request: Request, kind: RequestKind) -> tuple[
             p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]:
         """Parse and check a generation request: ``(request, model, prompts' token ids, their params)``."""
         self.auth.check(request.headers.get("authorization"))
@@ -226,7 +227,7 @@ class LLMServer(ReplicaStats):
                                 f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
         body = await read_body(request, self.max_body_bytes)
         req: p.CompletionRequest | p.ChatCompletionRequest
-        if kind == "completion":
+        if kind is RequestKind.COMPLETION:
             req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
             prompts = rq.completion_prompts(req)
             if len(prompts) > self.capacity:  # a 429 would never clear: no retry can fit it
@@ -244,12 +245,12 @@ class LLMServer(ReplicaStats):
                                 f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
         return req, model, ids, params
 
-    async def _generate(self, request: Request, kind: str) -> Response:
+    async def _generate(self, request: Request, kind: RequestKind) -> Response:
         try:
             req, model, prompts, params = await self._inputs(request, kind)
         except Exception as exc:
             return error_json(exc)
-        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        rid = f"{kind.shape.id_prefix}-{uuid.uuid4().hex}"
         engine_ids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
         queue = self._fanout.open(engine_ids[0])
         for eid in engine_ids[1:]:

@@ -1,7 +1,7 @@
 """What replicas report to the autoscaling policy, and how the policy reads it back.
 
 A replica's ``record_autoscaling_stats`` returns ``autoscaling_stats(engine
-stats)``; Serve averages each key per replica over ``look_back_period_s`` and
+stats, recent latency)``; Serve averages each key per replica over ``look_back_period_s`` and
 hands them to the policy as ``ctx.aggregated_metrics``, which
 ``loads_from_metrics`` turns into one ``ReplicaLoad`` per replica.
 """
@@ -32,9 +32,12 @@ class ReplicaLoad:
     tpot_p95_ms: float = 0.0
 
 
-def autoscaling_stats(stats: EngineStats) -> dict[str, float]:
+def autoscaling_stats(stats: EngineStats, *, ttft_ms_p95: float, tpot_ms_p95: float) -> dict[str, float]:
     """The metrics a replica returns from ``record_autoscaling_stats``.
 
+    Queue and KV figures come from the engine's ``stats``; the latency P95s
+    are the replica's recent window (``apps.replica_stats``), passed apart
+    so the engine's own, longer window is never mistaken for them.
     KV use counts only pages owned or pinned by running requests: prefix-cache
     pages that can be evicted at once are free capacity, not load.
     """
@@ -44,8 +47,8 @@ def autoscaling_stats(stats: EngineStats) -> dict[str, float]:
         METRIC_NUM_WAITING: float(stats.num_waiting),
         METRIC_NUM_RUNNING: float(stats.num_running),
         METRIC_KV_USAGE: busy / total if total > 0 else 0.0,
-        METRIC_TTFT_P95_MS: stats.ttft_ms_p95,
-        METRIC_TPOT_P95_MS: stats.tpot_ms_p95,
+        METRIC_TTFT_P95_MS: ttft_ms_p95,
+        METRIC_TPOT_P95_MS: tpot_ms_p95,
     }
 
 

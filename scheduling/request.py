@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from scheduling.sampling_params import SamplingParams
+from scheduling.stop_rule import StopRule
 
 if TYPE_CHECKING:
     from kvcache.radix_cache import RadixNode
@@ -54,6 +55,7 @@ class Request:
         "sampler_params",
         "namespace",
         "eos_token_id",
+        "stop_rule",
         "status",
         "output_token_ids",
         "num_computed_tokens",
@@ -77,6 +79,7 @@ class Request:
         namespace: str | None = None,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        stop_rule: StopRule | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -84,6 +87,8 @@ class Request:
         self.sampler_params = params.sampler_view()  # what a batch carries to the sampler
         self.namespace = namespace
         self.eos_token_id = eos_token_id
+        # When this sequence stops (and its text): the engine passes one with its detokenizer.
+        self.stop_rule = StopRule(params, eos_token_id) if stop_rule is None else stop_rule
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -42,10 +42,11 @@ from scheduling.scheduler_stats import SchedulerStats
 class SchedulerUpdate:
     """What one step changed: the tokens sampled and the requests that ended.
 
-    ``sampled`` holds (request, token id, row in the step's ``StepOutput``).
+    ``sampled`` holds (request, token id, row in the step's ``StepOutput``,
+    the text the token makes safe to emit: ``StopRule.on_token``'s).
     """
 
-    sampled: list[tuple[Request, int, int]]
+    sampled: list[tuple[Request, int, int, str]]
     finished: list[Request]
 
 
@@ -133,15 +134,6 @@ class Scheduler:
         req.set_status(RequestStatus.ABORTED)
         return req
 
-    def finish(self, request_id: str, reason: str) -> Request | None:
-        """End a running request for a reason found outside (a stop string)."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RUNNING:
-            return None
-        self.running.remove(req)
-        self._end(req, reason)
-        return req
-
     def requests_in_step(self, step: int) -> list[Request]:
         """The requests a step still in flight was planned for (empty once updated)."""
         return [req for req, _, _ in self._in_flight.get(step, ())]
@@ -152,7 +144,14 @@ class Scheduler:
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> Batch | None:
-        """Pick this step's work; None when there is nothing to do."""
+        """Pick this step's work; None when there is nothing to do.
+
+        Only here are pages allocated, and only once the previous step is
+        settled by ``update``: a request aborted while a step runs frees its
+        pages at once, and no page may be handed out again while a forward
+        may still write its KV (asserted; ``python -O`` drops the check).
+        """
+        assert not self._in_flight, f"schedule() with step(s) {list(self._in_flight)} still in flight"
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         running = self.running
@@ -233,10 +232,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
     def update(self, batch: Batch, output: StepOutput) -> SchedulerUpdate:
-        """Apply one step's sampled tokens; finish requests that hit a limit."""
+        """Apply one step's sampled tokens; end the requests their ``StopRule`` stops."""
         scheduled = self._in_flight.pop(batch.step)
         now = time.monotonic()
-        sampled: list[tuple[Request, int, int]] = []
+        sampled: list[tuple[Request, int, int, str]] = []
         finished: list[Request] = []
         row = 0
         for req, n, samples in scheduled:
@@ -252,16 +251,13 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            sampled.append((req, token, row - 1))
             if len(req.output_token_ids) == 1 and req.request_id in self._forks:
                 self._fork(req)
-            p = req.params
-            if token in p.stop_token_ids or (token == req.eos_token_id and not p.ignore_eos):
-                req.finish_reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens:
-                req.finish_reason = "length"
-            else:
+            text, reason = req.stop_rule.on_token(token, len(req.output_token_ids))  # the one stop rule
+            sampled.append((req, token, row - 1, text))
+            if reason is None:
                 continue
+            req.finish_reason = reason
             finished.append(req)
         if finished:
             self.running = [r for r in self.running if r.finish_reason is None]

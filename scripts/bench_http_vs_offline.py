@@ -55,7 +55,7 @@ def offline_lone_ttft_ms(model: str, workload: Path) -> float:
     import torch
 
     from apps.llm import LLM
-    from cluster.bench_offline import read_workload
+    from cli.bench.workload import read_workload
     from scheduling.sampling_params import SamplingParams
 
     torch.set_num_threads(1)

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.loader import load_tokenizer, resolve_model_path
-from cluster.bench_serve_datasets import DatasetConfig, build_requests
+from actors.prompt_ids import chat_ids
+from cli.bench.serve_datasets import DatasetConfig, build_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,8 +62,9 @@ def _chat_workload(model_dir: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for req in build_requests(DatasetConfig(name="chat", num_prompts=64, output_len=(64, 256))):
-            ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-            f.write(json.dumps({"prompt_token_ids": list(ids["input_ids"]), "max_tokens": req.max_tokens}) + "\n")
+            assert req.messages is not None  # the chat dataset's requests are conversations
+            ids = chat_ids(tok, req.messages)
+            f.write(json.dumps({"prompt_token_ids": ids, "max_tokens": req.max_tokens}) + "\n")
     return out
 
 
@@ -98,7 +100,7 @@ def main() -> int:
             if a.workload_kind == "chat":
                 workload = _chat_workload(Path(path), ROOT / ".bench" / f"chat_workload_{model}.jsonl")
             cmds = {
-                "flotilla": [py, "-m", "cluster.cli", "bench", "offline", "--model", path,
+                "flotilla": [py, "-m", "cli.main", "bench", "offline", "--model", path,
                              "--workload", str(workload)],
                 "hf-static": [py, str(peers / "hf_offline.py"), path, str(workload), "--batch", str(a.hf_batch)],
                 "vllm-cpu": [str(vllm_py), str(peers / "vllm_cpu_offline.py"), path, str(workload)],

@@ -15,6 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from apps import protocol as P
 from apps.errors import APIError, error_response
+from apps.request_kind import RequestKind
 from apps.request_params import (
     DEFAULT_MAX_BODY_BYTES,
     chat_messages,
@@ -227,7 +228,7 @@ def test_builders_parse_with_openai_types() -> None:
     assert parsed.usage is not None and parsed.usage.prompt_tokens_details.cached_tokens == 3  # type: ignore[union-attr]
     last = P.completion_chunk("cmpl-1", "tiny", 1, [P.completion_choice(0, "b", "stop")])
     Completion.model_validate(last)
-    Completion.model_validate(P.usage_chunk("completion", "cmpl-1", "tiny", 1, usage))
+    Completion.model_validate(RequestKind.COMPLETION.shape.chunk("cmpl-1", "tiny", 1, [], usage))
     chat_lp = P.chat_logprobs(entries, decode, lambda tid: decode(tid).encode())
     chat = P.chat_completion_response("chat-1", "tiny", 1, [P.chat_choice(0, "ab", "stop", chat_lp)], usage)
     got = ChatCompletion.model_validate(json.loads(json.dumps(chat, allow_nan=False)))
@@ -235,7 +236,7 @@ def test_builders_parse_with_openai_types() -> None:
     for choice in [P.chat_delta_choice(0, "", role=True), P.chat_delta_choice(0, "a", None, chat_lp),
                    P.chat_delta_choice(0, None, "length")]:
         ChatCompletionChunk.model_validate(P.chat_completion_chunk("chat-1", "tiny", 1, [choice]))
-    tail = ChatCompletionChunk.model_validate(P.usage_chunk("chat", "chat-1", "tiny", 1, usage))
+    tail = ChatCompletionChunk.model_validate(RequestKind.CHAT.shape.chunk("chat-1", "tiny", 1, [], usage))
     assert tail.choices == [] and tail.usage is not None and tail.usage.total_tokens == 6
 
 
@@ -266,7 +267,7 @@ def fake_server(sent: list[dict[str, Any]]) -> openai.OpenAI:
         else:
             chunks = [P.completion_chunk("c", "tiny", 1, [P.completion_choice(0, t, r)]) for t, r in [("a", None), ("", "stop")]]
         if req.include_usage:
-            chunks.append(P.usage_chunk("chat" if chat else "completion", "c", "tiny", 1, u))
+            chunks.append((RequestKind.CHAT if chat else RequestKind.COMPLETION).shape.chunk("c", "tiny", 1, [], u))
         data = b"".join(P.sse_event(c) for c in chunks) + P.SSE_DONE
         return httpx.Response(200, content=data, headers={"content-type": "text/event-stream"})
 

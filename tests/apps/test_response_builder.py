@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from actors.loader import load_tokenizer
 from actors.outputs import SequenceDelta
+from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
 from apps.token_text import TokenText
 from scheduling.batch import TokenLogprobs
@@ -28,12 +29,12 @@ def _d(index: int, token_ids: list[int], text: str, finish: str | None = None) -
 
 
 def _builder(kind: str, text: TokenText, n: int, logprobs: bool = True) -> ResponseBuilder:
-    return ResponseBuilder(kind, "tiny", 1, logprobs, text.text, text.bytes_of, n)
+    return ResponseBuilder(RequestKind(kind), "tiny", 1, logprobs, text.text, text.bytes_of, n)
 
 
 def test_streams_send_one_choice_per_chunk(tiny_text: TokenText) -> None:
     out = _builder("chat", tiny_text, 2, logprobs=False)
-    roles = out.role_chunks("r")
+    roles = out.opening_chunks("r")
     assert [[c["index"] for c in chunk["choices"]] for chunk in roles] == [[0], [1]]
     chunks = out.chunks("r", [_d(0, [104], "h"), _d(1, [105], "i"), _d(0, [33], "!", "stop")])
     assert [[c["index"] for c in chunk["choices"]] for chunk in chunks] == [[0], [1]]
@@ -42,6 +43,7 @@ def test_streams_send_one_choice_per_chunk(tiny_text: TokenText) -> None:
     for chunk in roles + chunks:
         ChatCompletionChunk.model_validate(chunk)
     completion = _builder("completion", tiny_text, 3, logprobs=False)
+    assert completion.opening_chunks("r") == []  # only chat announces a role
     got = completion.chunks("r", [_d(2, [97], "a"), _d(1, [98], "b")])
     assert [[c["index"] for c in chunk["choices"]] for chunk in got] == [[2], [1]]
 

@@ -13,6 +13,7 @@ import pytest
 
 from apps.llm import LLM
 from apps.prompt_encoder import PromptEncoder
+from flotilla.sse import DONE, SSEDecoder
 from scheduling.sampling_params import SamplingParams
 from tests.serve_harness import TIMEOUT, LiveServer, http
 
@@ -34,9 +35,11 @@ def _sse(server: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     events = []
     with httpx2.Client(timeout=TIMEOUT) as web, web.stream("POST", f"{server}{path}", json=body) as resp:
         assert resp.status_code == 200
+        decoder = SSEDecoder()  # the SDK's parser: one SSE parser in the repo
         for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                events.append(json.loads(line[len("data: "):]))
+            data = decoder.feed(line)
+            if data is not None and data != DONE:
+                events.append(json.loads(data))
     return events
 
 

@@ -231,9 +231,9 @@ def test_replica_metrics_from_engine_stats() -> None:
         num_waiting=3, num_running=5, num_unfinished_requests=8, num_kv_pages_total=100,
         num_kv_pages_free=40, num_kv_pages_used=60, num_kv_pages_evictable=20,
         num_kv_pages_locked=5, prefix_cache_hit_rate=0.5, num_preemptions=0, num_steps=9,
-        ttft_ms_p50=10.0, ttft_ms_p95=30.0, tpot_ms_p50=1.0, tpot_ms_p95=2.0,
+        ttft_ms_p50=10.0, ttft_ms_p95=999.0, tpot_ms_p50=1.0, tpot_ms_p95=999.0,
     )
-    metrics = autoscaling_stats(stats)
+    metrics = autoscaling_stats(stats, ttft_ms_p95=30.0, tpot_ms_p95=2.0)  # the replica's recent window
     assert all(isinstance(v, float) for v in metrics.values())  # Serve requires int|float
     per_replica = {key: {"r1": value} for key, value in metrics.items()}
     assert loads_from_metrics(per_replica) == [

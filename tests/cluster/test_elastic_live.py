@@ -20,6 +20,7 @@ import pytest
 from ray import serve
 
 from apps.builder import build_app
+from flotilla.sse import DONE, SSEDecoder
 from tests.serve_harness import ENGINE, LiveServer, http, live_server
 
 SMALL: dict[str, Any] = {"max_num_seqs": 2, "scheduler_options": {"num_cpus": 0.1},
@@ -80,12 +81,13 @@ class Stream(threading.Thread):
         req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         try:
+            decoder = SSEDecoder()  # the SDK's parser: one SSE parser in the repo
             with urllib.request.urlopen(req, timeout=120) as resp:
                 for raw in resp:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: {"):
+                    data = decoder.feed(raw)
+                    if data is None or data == DONE:
                         continue
-                    chunk = json.loads(line[6:])
+                    chunk = json.loads(data)
                     if "error" in chunk:
                         self.error = str(chunk["error"])
                     if chunk.get("usage"):

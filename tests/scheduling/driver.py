@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from kvcache.page_allocator import PageAllocator
 from scheduling.batch import Batch
-from scheduling.fake_runner import FakeModelRunner
 from scheduling.request import Request
 from scheduling.scheduler import Scheduler
 from scheduling.scheduler_config import SchedulerConfig
+from tests.scheduling.fake_runner import FakeModelRunner
 
 VOCAB = 97
 

@@ -5,12 +5,12 @@ import pytest
 from kvcache.errors import CacheConfigError
 from kvcache.page_allocator import PageAllocator
 from scheduling.errors import InvalidParameterError
-from scheduling.fake_runner import reference_generate
 from scheduling.request import Request, RequestStatus
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler import Scheduler
 from scheduling.scheduler_config import SchedulerConfig
 from tests.scheduling.driver import VOCAB, assert_pool_clean, drain, make, step
+from tests.scheduling.fake_runner import reference_generate
 
 
 def req(rid: str, prompt: list[int], max_tokens: int, **kw: object) -> Request:

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from scheduling.fake_runner import reference_generate
 from scheduling.request import Request, RequestStatus
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler_config import SchedulerConfig
 from tests.scheduling.driver import VOCAB, assert_pool_clean, drain, make, step
+from tests.scheduling.fake_runner import reference_generate
 
 
 def req(rid: str, prompt: list[int], max_tokens: int) -> Request:

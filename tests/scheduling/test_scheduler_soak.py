@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from scheduling.fake_runner import reference_generate
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler_config import SchedulerConfig
 from tests.scheduling.driver import VOCAB, assert_pool_clean, make, step
+from tests.scheduling.fake_runner import reference_generate
 
 STOP = 13
 

@@ -3,9 +3,8 @@
 Works against any server with ``/v1/completions`` and ``/v1/chat/completions``
 streaming SSE (flotilla, vLLM, ...). Every request streams with
 ``stream_options.include_usage`` so token counts come from the server's own
-``usage``. TTFT is the time to the first chunk carrying output (text or a
-finish), ITL the gaps between such chunks (a chunk may hold several tokens,
-e.g. when a detokenizer holds bytes back), TPOT ``(E2E - TTFT) / (output_tokens - 1)``.
+``usage``; requests go through ``cli.bench.stream_client`` (the benchmarks'
+one client), which defines TTFT, ITL and TPOT.
 
 When the server is flotilla, its ``/metrics`` is scraped before, during and
 after each run for the engine's peak memory, memory limit and utilisation
@@ -17,18 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
 
-from cluster.bench_serve_arrivals import ArrivalConfig, arrival_offsets
-from cluster.bench_serve_datasets import BenchRequest, DatasetConfig, build_requests
-from cluster.bench_serve_report import RequestResult, samples, summarize
-from cluster.bench_serve_server import ServerProbe
+from cli.bench.serve_arrivals import ArrivalConfig, arrival_offsets
+from cli.bench.serve_datasets import BenchRequest, DatasetConfig, build_requests
+from cli.bench.serve_report import samples, summarize
+from cli.bench.serve_server import ServerProbe
+from cli.bench.stream_client import RequestResult, stream_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,62 +63,10 @@ def request_body(req: BenchRequest, model: str, cfg: ServeBenchConfig) -> dict[s
     return body
 
 
-def _has_output(chunk: dict[str, Any]) -> bool:
-    """A chunk that brings generated output: text, or a finish (whose text a detokenizer may have held back).
-
-    A chat stream's opening role-only chunk and the final usage chunk bring none.
-    """
-    for choice in chunk.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
-            return True
-    return False
-
-
 async def send_request(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any],
-                       endpoint: str, *, fallback_prompt_tokens: int = 0) -> RequestResult:
-    """Send one streaming request and time its chunks; never raises for server or network errors."""
-    t0 = time.perf_counter()
-    result = RequestResult(ok=False)
-    last: float | None = None
-    chunks = 0
-    try:
-        async with session.post(base_url + endpoint, json=body) as resp:
-            if resp.status != 200:
-                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return result
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    result.error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
-                    return result
-                now = time.perf_counter()
-                if _has_output(chunk):
-                    chunks += 1
-                    if last is None:
-                        result.ttft_s = now - t0
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-                usage = chunk.get("usage")
-                if usage:
-                    result.usage_reported = True
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"[:200]
-        return result
-    result.e2e_s = time.perf_counter() - t0
-    if not result.usage_reported:  # a server without include_usage: count text chunks
-        result.prompt_tokens, result.output_tokens = fallback_prompt_tokens, chunks
-    result.ok = True
-    return result
+                       endpoint: str) -> RequestResult:
+    """Send one streaming request and time it (``stream_request``); never raises for server or network errors."""
+    return await stream_request(session, base_url + endpoint, body)
 
 
 async def resolve_model(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -146,8 +92,7 @@ async def _run_rate(session: aiohttp.ClientSession, cfg: ServeBenchConfig, model
             await asyncio.sleep(delay)  # the arrival schedule itself
         async with gate if gate is not None else contextlib.nullcontext():
             sent = loop.time() - start
-            r = await send_request(session, cfg.base_url, request_body(req, model, cfg), req.endpoint,
-                                   fallback_prompt_tokens=req.num_prompt_tokens)
+            r = await send_request(session, cfg.base_url, request_body(req, model, cfg), req.endpoint)
         r.start_s = sent
         return r
 

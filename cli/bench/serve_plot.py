@@ -13,6 +13,8 @@ from typing import Any
 
 def plot(result: dict[str, Any], path: str | Path) -> Path:
     """Write the figure for ``result`` to ``path``; returns the path."""
+    # Imported here: matplotlib costs ~1 s to import and only this call needs it; the
+    # backend must be chosen before pyplot loads.
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display

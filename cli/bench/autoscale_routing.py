@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from actors.engine_stats import percentile
-from cluster.bench_autoscale import RequestRecord, make_prompt, stream_completion
+from cli.bench.autoscale import RequestRecord, make_prompt, stream_completion
 
 PREFIX_HEADER = "X-Flotilla-Prefix"
 # A header names the prefix, not the whole text: this many characters is plenty.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench_autoscale import (
+from cli.bench.autoscale import (
     Phase,
     RequestRecord,
     RunResult,
@@ -16,8 +16,8 @@ from cluster.bench_autoscale import (
     samples_json,
     summarize,
 )
-from cluster.bench_autoscale_routing import HEADER_CHARS, build_workload
-from cluster.cli import build_parser
+from cli.bench.autoscale_routing import HEADER_CHARS, build_workload
+from cli.main import build_parser
 
 
 def test_arrivals_follow_the_rate_integral() -> None:
@@ -76,7 +76,7 @@ def test_cli_parses_a_short_profile() -> None:
 
 def test_timeline_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from cluster.bench_autoscale_plot import plot_timeline
+    from cli.bench.autoscale_plot import plot_timeline
 
     samples = samples_json(RunResult(samples=[sample(1, 1), sample(2, 2), sample(3, 3)]))
     out = plot_timeline({"a": samples, "b": samples}, tmp_path / "t.png", slo_ttft_ms=100, slo_tpot_ms=10)

@@ -22,7 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.bench_serve_datasets import DATASETS
+import yaml
+
+from cli.bench.serve import ServeBenchConfig, run, without_samples
+from cli.bench.serve_arrivals import ArrivalConfig, parse_rates
+from cli.bench.serve_datasets import DATASETS, DatasetConfig
+from cli.bench.serve_plot import plot
+from cli.bench.serve_report import compare, format_table, parse_slo
 from scheduling.errors import InvalidParameterError
 
 DEFAULTS: dict[str, Any] = {
@@ -78,8 +84,6 @@ def resolve_settings(given: dict[str, Any]) -> dict[str, Any]:
     settings = dict(DEFAULTS)
     path = given.get("config")
     if path:
-        import yaml
-
         loaded = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
             raise InvalidParameterError("config", f"{path} must hold a mapping of settings")
@@ -91,13 +95,8 @@ def resolve_settings(given: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def bench_config(settings: dict[str, Any]) -> Any:
+def bench_config(settings: dict[str, Any]) -> ServeBenchConfig:
     """The ``ServeBenchConfig`` the settings describe (validated)."""
-    from cluster.bench_serve import ServeBenchConfig
-    from cluster.bench_serve_arrivals import ArrivalConfig, parse_rates
-    from cluster.bench_serve_datasets import DatasetConfig
-    from cluster.bench_serve_report import parse_slo
-
     st = settings
     dataset = DatasetConfig(
         name=st["dataset"], num_prompts=int(st["num_prompts"]), input_len=tuple(st["input_len"]),
@@ -121,9 +120,6 @@ def _dump(obj: Any) -> str:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from cluster.bench_serve import run, without_samples
-    from cluster.bench_serve_report import compare, format_table
-
     try:
         settings = resolve_settings(vars(args))
         if settings["load"]:
@@ -137,8 +133,6 @@ def _bench_serve(args: argparse.Namespace) -> int:
         Path(settings["out"]).write_text(_dump(result) + "\n")
     print(_dump(without_samples(result)), flush=True)
     if settings["plot"]:
-        from cluster.bench_serve_plot import plot
-
         print(f"flotilla bench serve: wrote {plot(result, settings['plot'])}", file=sys.stderr)
     if settings["compare"]:
         base = json.loads(Path(settings["compare"]).read_text())

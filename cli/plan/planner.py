@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.hardware import DTYPE_BITS, QUANTIZED_DTYPES, ModelArch
+from cli.plan.hardware import DTYPE_BITS, QUANTIZED_DTYPES, ModelArch
 from scheduling.errors import InvalidParameterError
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from apps.builder import build_app
-from cluster.cli import build_parser
-from cluster.serve_cli import app_args
+from cli.main import build_parser
+from cli.serve import app_args
 from scheduling.errors import InvalidParameterError
 
 

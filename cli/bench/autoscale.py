@@ -5,7 +5,8 @@ each a duration and a request rate that moves linearly from ``start_rps`` to
 ``end_rps``. Arrivals are open-loop and deterministic: request ``k`` is sent
 when the integral of the rate reaches ``k``, so two runs offer the same load.
 Every request streams (``/v1/completions``), so time to first token (TTFT)
-and time per output token (TPOT) are measured at the client.
+and time per output token (TPOT) are measured at the client, by the
+benchmarks' one client (``cli.bench.stream_client``: tokens from usage).
 
 Per second the sampler records: replicas (from a callback; None when unknown),
 requests in flight and queued (sent, first token not yet seen), the TTFT/TPOT
@@ -18,7 +19,6 @@ first SLO breach and how long the fleet took to reach 3 replicas after it.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable
@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from actors.engine_stats import percentile
+from cli.bench.stream_client import stream_request, tpot_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +87,10 @@ class RequestRecord:
 
     @property
     def tpot_ms(self) -> float | None:
-        if self.first_token is None or self.done is None or self.num_tokens < 2:
-            return None
-        return (self.done - self.first_token) * 1000 / (self.num_tokens - 1)
+        ttft = None if self.first_token is None else self.first_token - self.sent
+        e2e = None if self.done is None else self.done - self.sent
+        tpot = tpot_s(ttft, e2e, self.num_tokens)
+        return None if tpot is None else tpot * 1000
 
     def good(self, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
         ttft, tpot = self.ttft_ms, self.tpot_ms
@@ -97,38 +99,21 @@ class RequestRecord:
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                             rec: RequestRecord, start: float, headers: dict[str, str] | None = None) -> None:
-    """POST a streaming completion and fill ``rec`` (never raises: failures are recorded)."""
-    try:
-        async with session.post(f"{url}/v1/completions", json=body, headers=headers or {}) as resp:
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return
-            finished = False
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    rec.error = str(chunk["error"])[:200]
-                    return
-                if chunk.get("usage"):
-                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    rec.cached_tokens = chunk["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                for choice in chunk.get("choices", []):
-                    if choice.get("text"):
-                        now = time.monotonic() - start
-                        if rec.first_token is None:
-                            rec.first_token = now
-                        rec.num_tokens += 1
-                    if choice.get("finish_reason"):
-                        finished = choice["finish_reason"] in ("stop", "length")
-            rec.done = time.monotonic() - start
-            rec.ok = finished
-            if not finished:
-                rec.error = "stream ended without a finish reason"
-    except Exception as exc:  # a failed request is data here, not a crash
-        rec.error = f"{type(exc).__name__}: {exc}"[:200]
+    """POST a streaming completion and fill ``rec`` (never raises: failures are recorded).
+
+    Through the benchmarks' one client (``stream_request``): tokens from usage, never chunks.
+    """
+    def first_output() -> None:
+        rec.first_token = time.monotonic() - start
+
+    result = await stream_request(session, f"{url}/v1/completions", body, headers=headers,
+                                  on_first_output=first_output)
+    rec.done = rec.sent + result.e2e_s if result.e2e_s is not None else None
+    if result.ttft_s is not None:
+        rec.first_token = rec.sent + result.ttft_s  # the client's own clock, as E2E
+    rec.num_tokens, rec.prompt_tokens, rec.cached_tokens = (result.output_tokens, result.prompt_tokens,
+                                                            result.cached_tokens)
+    rec.ok, rec.error = result.ok, result.error
 
 
 def make_prompt(rng: random.Random, num_chars: int) -> str:

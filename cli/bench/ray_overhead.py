@@ -24,7 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.bench_offline import read_workload
+import ray
+import torch
+
+from actors.engine_config import EngineConfig
+from actors.scheduler_actor import SchedulerActor
+from apps.llm import LLM
+from cli.bench.workload import read_workload
+from scheduling.sampling_params import SamplingParams
 
 CONSUMER = "bench"
 
@@ -40,8 +47,6 @@ def _in_process_run(llm: Any, reqs: list[dict[str, Any]], params: list[Any]) -> 
 
 
 def _ray_run(actor: Any, reqs: list[dict[str, Any]], params: list[Any], tag: str) -> dict[str, float]:
-    import ray
-
     steps0 = ray.get(actor.stats.remote()).num_steps
     t0 = time.perf_counter()
     ray.get([
@@ -79,13 +84,6 @@ def _compare(
     model: str, reqs: list[dict[str, Any]], engine: dict[str, Any], threads: int, executor: str, runs: int
 ) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """Interleave the two paths ``runs`` times (load on a shared box hits both alike)."""
-    import ray
-
-    from actors.engine_config import EngineConfig
-    from actors.scheduler_actor import SchedulerActor
-    from apps.llm import LLM
-    from scheduling.sampling_params import SamplingParams
-
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in reqs]
     llm = LLM(model=model, **engine)
     llm.generate([r["prompt_token_ids"] for r in reqs[:2]], params[:2], use_tqdm=False)  # warm-up
@@ -110,9 +108,6 @@ def run(
     **engine: Any,
 ) -> dict[str, Any]:
     """Run both paths ``runs`` times on ``workload``; returns the JSON-ready result (medians)."""
-    import ray
-    import torch
-
     reqs = read_workload(workload)
     torch.set_num_threads(threads)
     started = not ray.is_initialized()

@@ -13,7 +13,7 @@ import math
 import sys
 from typing import Any
 
-from cluster.hardware import (
+from cli.plan.hardware import (
     DTYPE_BITS,
     GPUS,
     MODELS,
@@ -23,7 +23,7 @@ from cluster.hardware import (
     load_hf_config,
     read_json_file,
 )
-from cluster.planner import TP_DEGREES, PlanReport, plan
+from cli.plan.planner import TP_DEGREES, PlanReport, plan
 from scheduling.errors import InvalidParameterError
 
 _GB, _GIB = 1e9, 2**30

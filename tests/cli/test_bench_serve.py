@@ -14,13 +14,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cluster.bench_serve import ServeBenchConfig, request_body, send_request
-from cluster.bench_serve_arrivals import ArrivalConfig, arrival_offsets, parse_rates
-from cluster.bench_serve_cli import bench_config, resolve_settings
-from cluster.bench_serve_datasets import BenchRequest, DatasetConfig, build_requests
-from cluster.bench_serve_report import RequestResult, compare, parse_slo, summarize
-from cluster.bench_serve_server import parse_flotilla_metrics
-from cluster.cli import main
+from cli.bench.serve import ServeBenchConfig, request_body, send_request
+from cli.bench.serve_arrivals import ArrivalConfig, arrival_offsets, parse_rates
+from cli.bench.serve_cli import bench_config, resolve_settings
+from cli.bench.serve_datasets import BenchRequest, DatasetConfig, build_requests
+from cli.bench.serve_report import compare, parse_slo, summarize
+from cli.bench.serve_server import parse_flotilla_metrics
+from cli.bench.stream_client import RequestResult
+from cli.main import main
 from scheduling.errors import InvalidParameterError
 
 
@@ -129,7 +130,7 @@ def test_arrivals_have_the_rate_and_burstiness_asked_for() -> None:
 # --------------------------------------------------------------------- stats
 def test_summary_percentiles_throughput_and_goodput() -> None:
     results = [RequestResult(ok=True, ttft_s=0.1 * (i + 1), e2e_s=0.1 * (i + 1) + 0.9, itl_s=[0.1] * 9,
-                             prompt_tokens=20, output_tokens=10, usage_reported=True) for i in range(10)]
+                             prompt_tokens=20, output_tokens=10, finish_reasons=["length"]) for i in range(10)]
     results.append(RequestResult(ok=False, error="HTTP 500: boom"))
     s = summarize(results, 2.0, parse_slo(["ttft:500", "tpot:150"]))
     assert (s["successful_requests"], s["failed_requests"], s["errors"]) == (10, 1, {"HTTP 500: boom": 1})
@@ -232,18 +233,19 @@ def test_sse_client_times_chunks_and_reads_usage_or_errors() -> None:
                 out = {}
                 for mode in ("usage", "nousage", "error", "500"):
                     body = request_body(BenchRequest(4, prompt=mode), "m", ServeBenchConfig())
-                    out[mode] = await send_request(session, url, body, "/v1/completions", fallback_prompt_tokens=3)
+                    out[mode] = await send_request(session, url, body, "/v1/completions")
                 return out
         finally:
             await runner.cleanup()
 
     r = asyncio.run(scenario())
     ok = r["usage"]
-    assert ok.ok and ok.usage_reported and (ok.prompt_tokens, ok.output_tokens) == (7, 5)
+    assert ok.ok and (ok.prompt_tokens, ok.output_tokens) == (7, 5)
     assert ok.ttft_s is not None and ok.e2e_s is not None and len(ok.itl_s) == 2  # a, b and the finish
     assert ok.tpot_s == pytest.approx((ok.e2e_s - ok.ttft_s) / 4)
-    fallback = r["nousage"]
-    assert fallback.ok and not fallback.usage_reported and (fallback.prompt_tokens, fallback.output_tokens) == (3, 3)
+    # Tokens are never counted from chunks: a stream without usage is a failed request.
+    no_usage = r["nousage"]
+    assert not no_usage.ok and no_usage.error is not None and "usage" in no_usage.error
     assert not r["error"].ok and r["error"].error == "engine failed"
     assert not r["500"].ok and r["500"].error is not None and r["500"].error.startswith("HTTP 500")
     body = request_body(BenchRequest(4, messages=[{"role": "user", "content": "hi"}]), "m", ServeBenchConfig())

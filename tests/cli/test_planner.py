@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from cluster.hardware import MODELS, get_model, load_hf_config
-from cluster.planner import (
+from cli.main import main
+from cli.plan.hardware import MODELS, get_model, load_hf_config
+from cli.plan.planner import (
     bytes_for,
     cost_per_million_tokens,
     count_params,
@@ -182,7 +182,7 @@ def test_hf_config_defaults_gqa_and_tied(tmp_path: Path) -> None:
 
 
 def test_planner_imports_neither_torch_nor_ray() -> None:
-    code = ("import sys, cluster.cli, cluster.plan_cli; "
+    code = ("import sys, cli.main, cli.plan.cli; "
             "bad = {'torch', 'ray', 'transformers'} & set(sys.modules); assert not bad, bad")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -9,6 +9,8 @@ from typing import Any
 def plot_timeline(runs: dict[str, list[dict[str, Any]]], path: str | Path, *, slo_ttft_ms: float,
                   slo_tpot_ms: float) -> Path:
     """One column of three panels per run (``label -> samples``); returns ``path``."""
+    # Imported here: matplotlib costs ~1 s to import and only this call needs it; the
+    # backend must be chosen before pyplot loads.
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the file only

@@ -5,7 +5,7 @@ Prompts are token ids drawn from ``[0, vocab)`` (exact lengths for any
 tokenizer that accepts ids, as vLLM's and flotilla's completions APIs do) or,
 with ``prompt_format="text"``, lowercase words of about one token per letter
 on byte-level tokenizers. Multi-turn chat always sends text messages. ``chat``
-sends real English (``cluster/bench_chat_texts.py``) for a trained model: an
+sends real English (``cli/bench/chat_texts.py``) for a trained model: an
 instruction alone, or 1-4 passages and a question about them.
 """
 
@@ -15,8 +15,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.bench_chat_texts import INSTRUCTIONS, PASSAGES, QUESTIONS_ABOUT_TEXT
-from cluster.bench_offline import read_workload
+from cli.bench.chat_texts import INSTRUCTIONS, PASSAGES, QUESTIONS_ABOUT_TEXT
+from cli.bench.workload import read_workload
 from scheduling.errors import InvalidParameterError
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "chat", "jsonl")

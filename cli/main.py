@@ -51,7 +51,10 @@ def _bench_offline(args: argparse.Namespace) -> int:
         engine["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
     if args.dtype is not None:
         engine["dtype"] = args.dtype
-    print(json.dumps(run(args.model, args.workload, progress=args.progress, **engine)))
+    if args.cpu_threads is not None:
+        engine["cpu_threads"] = args.cpu_threads
+    print(json.dumps(run(args.model, args.workload, progress=args.progress,
+                         batch1_prompt_len=args.batch1_prompt_len, batch1_tokens=args.batch1_tokens, **engine)))
     return 0
 
 
@@ -95,9 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--num-kv-pages", type=int, default=None)
     off.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     off.add_argument("--dtype", default=None)
+    off.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the forward (default: every core)")
     off.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                      help="off by default, like the vLLM peer script")
     off.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    off.add_argument("--batch1-prompt-len", type=int, default=128, help="prompt of the lone-request run")
+    off.add_argument("--batch1-tokens", type=int, default=64,
+                     help="tokens of the lone-request run (prefill and batch-1 decode tok/s); 0 skips it")
     off.set_defaults(func=_bench_offline)
 
     rov = bench_sub.add_parser("ray-overhead", help="in-process engine vs the SchedulerActor on Ray")

@@ -9,10 +9,13 @@ blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), and 11 ms vs
 for CPU linears). vLLM's CPU backend takes the same route.
 
 ``pack`` reorders a weight once, after loading, and checks the packed
-product against ``F.linear`` on a probe; the packed weight then replaces the
-dense one (same memory). Anything that fails (no oneDNN, a dtype it cannot
-pack, a probe that disagrees) keeps the dense weight and ``F.linear``, with
-one warning. ``FLOTILLA_ONEDNN_LINEAR=0`` turns packing off.
+product against ``F.linear`` on a probe. The dense weight is kept beside
+the packed one (the linear weights take twice their memory): for one or
+two rows (``DENSE_MAX_ROWS``: batch-1 decode) oneDNN is the slower one,
+and MKL's ``F.linear`` streams the dense weight at memory bandwidth. On the
+2-core development VM this took SmolLM2-135M's batch-1 decode from 29.05 to
+35.24 tok/s (``make bench-batch1``, docs/benchmarks.md); from three rows
+up the packed weight is the faster one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ logger = logging.getLogger("flotilla.models")
 
 ENV_SWITCH = "FLOTILLA_ONEDNN_LINEAR"
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+DENSE_MAX_ROWS = 2  # products of this many rows or fewer read the dense weight (F.linear)
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max error relative to the output's scale
 _warned = False
 

@@ -139,17 +139,20 @@ class ParallelLinear(nn.Module):
         return param
 
     def pack_for_cpu(self) -> bool:
-        """Swap the loaded weight for a oneDNN-packed copy (``cpu_linear``); False keeps it dense."""
+        """Add a oneDNN-packed copy of the loaded weight (``cpu_linear``); False keeps it dense only.
+
+        The dense weight stays too: products of at most ``cpu_linear.DENSE_MAX_ROWS``
+        rows (batch-1 decode) read it through MKL, which streams it faster.
+        """
         bias = self.bias.data if self.bias is not None else None
         packed = cpu_linear.pack(self.weight.data, bias)
         if packed is None:
             return False
         self.packed = packed
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy holds the values now
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] > cpu_linear.DENSE_MAX_ROWS:
             return cpu_linear.linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 

@@ -3,12 +3,19 @@
 The workload format is ``../shared/peers/make_workload.py``'s: one request a
 line, ``{"prompt_token_ids": [...], "max_tokens": N}``. Every request runs
 greedily with ignore_eos, so each engine compared does exactly the same work.
-Prints one JSON object.
+
+Then, unless ``batch1_tokens`` is 0, one lone request (``batch1``): a prompt
+of ``batch1_prompt_len`` token ids (the workload's first prompt, repeated or
+cut), greedy, ``batch1_tokens`` tokens, run three times. Its first step is
+the whole prefill (prefill tok/s = prompt tokens / that step's time); the
+median of the other steps gives batch-1 decode tok/s, the figure to set
+beside ``llama-bench``'s ``tg``. Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +32,34 @@ def peak_rss_mib() -> float:
     return round(kib / 1024 if sys.platform != "darwin" else kib / 2**20, 1)
 
 
-def run(model: str, workload: str | Path, *, progress: bool = False, **engine: Any) -> dict[str, Any]:
+BATCH1_RUNS = 3
+
+
+def batch1(llm: LLM, prompt: list[int], num_tokens: int) -> dict[str, Any]:
+    """Prefill and decode speed of one request alone (medians of ``BATCH1_RUNS``), stepping the engine."""
+    engine = llm.engine
+    if engine.has_unfinished:
+        raise RuntimeError("batch-1 needs an idle engine")
+    prefill: list[float] = []
+    decode: list[float] = []
+    for k in range(BATCH1_RUNS + 1):  # the first run warms up and is not counted
+        engine.add_request(f"batch1-{k}", prompt, SamplingParams(max_tokens=num_tokens, temperature=0.0,
+                                                                 ignore_eos=True))
+        steps: list[float] = []
+        while engine.has_unfinished:
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+        if k and len(steps) > 1:
+            prefill.append(len(prompt) / steps[0])
+            decode.append(1.0 / statistics.median(steps[1:]))
+    return {"prompt_tokens": len(prompt), "output_tokens": num_tokens, "runs": BATCH1_RUNS,
+            "prefill_tok_per_s": round(statistics.median(prefill), 1),
+            "decode_tok_per_s": round(statistics.median(decode), 2)}
+
+
+def run(model: str, workload: str | Path, *, progress: bool = False, batch1_prompt_len: int = 128,
+        batch1_tokens: int = 64, **engine: Any) -> dict[str, Any]:
     reqs = read_workload(workload)
     llm = LLM(model=model, **engine)
     prompts = [r["prompt_token_ids"] for r in reqs]
@@ -36,6 +70,11 @@ def run(model: str, workload: str | Path, *, progress: bool = False, **engine: A
     dt = time.perf_counter() - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     cap = llm.engine.executor.capacity
+    extra: dict[str, Any] = {}
+    if batch1_tokens > 0:
+        first = prompts[0]
+        extra["batch1"] = batch1(llm, (first * -(-batch1_prompt_len // len(first)))[:batch1_prompt_len],
+                                 batch1_tokens)
     return {
         "engine": "flotilla",
         "model": model,
@@ -46,4 +85,5 @@ def run(model: str, workload: str | Path, *, progress: bool = False, **engine: A
         "peak_rss_mib": peak_rss_mib(),
         "kv_pool_mib": round(cap.bytes / 2**20, 1),
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
+        **extra,
     }

@@ -37,13 +37,26 @@ def test_switch_off_and_unpackable_weights_keep_f_linear(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("layer_cls", [ColumnParallelLinear, RowParallelLinear])
-def test_a_packed_layer_gives_the_same_output_and_drops_its_dense_weight(layer_cls: type) -> None:
+def test_a_packed_layer_gives_the_same_output_for_few_and_many_rows(layer_cls: type) -> None:
     torch.manual_seed(0)
     layer = layer_cls(64, 48, bias=True)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
-    x = torch.randn(5, 64)
-    before = layer(x)
+    xs = [torch.randn(n, 64) for n in (1, cpu_linear.DENSE_MAX_ROWS, cpu_linear.DENSE_MAX_ROWS + 1, 5)]
+    before = [layer(x) for x in xs]
     assert layer.pack_for_cpu()
-    assert layer.weight.numel() == 0 and layer.packed is not None  # the packed copy replaced it
-    assert torch.allclose(layer(x), before, rtol=1e-5, atol=1e-4)
+    assert layer.packed is not None and layer.weight.shape == (48, 64)  # dense kept for few rows
+    for x, want in zip(xs, before, strict=True):
+        assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_few_rows_read_the_dense_weight_and_more_the_packed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = ColumnParallelLinear(64, 48)
+    layer.weight.data.normal_()
+    assert layer.pack_for_cpu()
+    calls: list[int] = []
+    real = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
+    for n in (1, cpu_linear.DENSE_MAX_ROWS, cpu_linear.DENSE_MAX_ROWS + 1, 9):
+        layer(torch.randn(n, 64))
+    assert calls == [cpu_linear.DENSE_MAX_ROWS + 1, 9]

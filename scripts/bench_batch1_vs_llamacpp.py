@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Batch-1 decode and prefill: flotilla vs llama.cpp on the same weights and threads, in one run.
+
+The weights: the ``smollm2-135m`` preset's GGUF (Q4_1 blocks) is what
+flotilla dequantizes to fp32 at load; ``llama-quantize --allow-requantize
+... F32`` makes llama.cpp the same fp32 weights (``.bench/<preset>-f32.gguf``).
+Each run: ``llama-bench -p P -n N -d P`` (prefill of P tokens; decode of N
+tokens after P of context), then ``flotilla bench offline``'s ``batch1``
+(one request of P prompt tokens, N generated, greedy; fp32), interleaved
+run by run so machine noise hits both alike. Prints one JSON object: every
+run, the medians and the ratios flotilla / llama.cpp.
+
+    make peer-llamacpp     # once: builds .peer-llamacpp (git-ignored)
+    .venv/bin/python scripts/bench_batch1_vs_llamacpp.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from actors.presets import preset_gguf_path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _llama_env(peer: Path) -> dict[str, str]:
+    """The peer's binaries find their shared libraries beside them."""
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(peer / "bin"), env.get("LD_LIBRARY_PATH")]))
+    return env
+
+
+def f32_gguf(peer: Path, preset: str) -> Path:
+    """The preset's weights as an F32 GGUF for llama.cpp (made once)."""
+    out = ROOT / ".bench" / f"{preset}-f32.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(peer / "bin" / "llama-quantize"), "--allow-requantize", str(preset_gguf_path(preset)),
+                        str(out), "F32"], check=True, capture_output=True, env=_llama_env(peer))
+    return out
+
+
+def llama_bench(peer: Path, gguf: Path, threads: int, prompt: int, gen: int) -> dict[str, float]:
+    cmd = [str(peer / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prompt),
+           "-n", str(gen), "-d", str(prompt), "-r", "3", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=_llama_env(peer)).stdout)
+    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"])
+    decode = next(r["avg_ts"] for r in rows if r["n_gen"])
+    return {"prefill_tok_per_s": round(prefill, 1), "decode_tok_per_s": round(decode, 2)}
+
+
+def flotilla_batch1(preset: str, threads: int, prompt: int, gen: int) -> dict[str, float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write(json.dumps({"prompt_token_ids": list(range(1000, 1000 + prompt)), "max_tokens": 2}) + "\n")
+    try:
+        cmd = [sys.executable, "-m", "cli.main", "bench", "offline", "--model", preset, "--workload", f.name,
+               "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", str(prompt + gen + 64),
+               "--cpu-threads", str(threads), "--batch1-prompt-len", str(prompt), "--batch1-tokens", str(gen)]
+        proc = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    finally:
+        os.unlink(f.name)
+    b1 = json.loads(proc.stdout.strip().splitlines()[-1])["batch1"]
+    return {"prefill_tok_per_s": b1["prefill_tok_per_s"], "decode_tok_per_s": b1["decode_tok_per_s"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="smollm2-135m")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--peer", default=str(ROOT / ".peer-llamacpp"), help="llama.cpp built by make peer-llamacpp")
+    args = ap.parse_args()
+    peer = Path(args.peer)
+    if not (peer / "bin" / "llama-bench").exists():
+        print(f"no llama-bench under {peer}: run `make peer-llamacpp` first", file=sys.stderr)
+        return 2
+    gguf = f32_gguf(peer, args.preset)
+    runs: list[dict[str, Any]] = []
+    for k in range(args.runs):
+        runs.append({"run": k, "llama.cpp": llama_bench(peer, gguf, args.threads, args.prompt, args.gen),
+                     "flotilla": flotilla_batch1(args.preset, args.threads, args.prompt, args.gen)})
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    medians = {engine: {key: statistics.median(r[engine][key] for r in runs)
+                        for key in ("prefill_tok_per_s", "decode_tok_per_s")} for engine in ("llama.cpp", "flotilla")}
+    ratios = {key: round(medians["flotilla"][key] / medians["llama.cpp"][key], 3)
+              for key in ("prefill_tok_per_s", "decode_tok_per_s")}
+    print(json.dumps({"preset": args.preset, "weights": "fp32 (the preset's GGUF, dequantized)",
+                      "threads": args.threads, "prompt_tokens": args.prompt, "gen_tokens": args.gen,
+                      "runs": runs, "median": medians, "flotilla_over_llamacpp": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

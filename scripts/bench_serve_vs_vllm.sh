@@ -3,6 +3,7 @@
 #   bash scripts/bench_serve_vs_vllm.sh [MODEL=small] [OUT_DIR=.bench/serve] [CONFIG=scripts/bench_serve_compare.yaml]
 # MODEL is anything flotilla loads (tiny, small, smollm2-135m, a folder, a .gguf file); vLLM gets its folder.
 # The real model with real chats: bash scripts/bench_serve_vs_vllm.sh smollm2-135m .bench/chat scripts/bench_serve_chat.yaml
+# The overhead pair on tiny: scripts/bench_serve_tiny_streams.yaml (32 streams), then scripts/bench_serve_tiny_lone.yaml (8 lone).
 # Needs `make peer-vllm` (the .peer-vllm venv). Writes flotilla.json, vllm.json (+ PNGs) under
 # OUT_DIR and prints the comparison table (flotilla as "new", vLLM as "base").
 set -euo pipefail

@@ -95,8 +95,7 @@ class LLMEngine:
                     child_params = _with_seed(params, params.seed + i)
                 sid = request_id if params.n == 1 else f"{request_id}#{i}"
                 stop = StopRule(child_params, self.eos_token_id, IncrementalDetokenizer(self.tokenizer, ids))
-                req = Request(sid, ids, child_params, namespace=namespace, eos_token_id=self.eos_token_id,
-                              stop_rule=stop)
+                req = Request(sid, ids, child_params, namespace=namespace, stop_rule=stop)
                 # Siblings start from the first one's prompt pages: computed once.
                 self.scheduler.add(req, share_prompt_with=children[0] if children else None)
                 children.append(sid)

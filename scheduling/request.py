@@ -54,7 +54,6 @@ class Request:
         "params",
         "sampler_params",
         "namespace",
-        "eos_token_id",
         "stop_rule",
         "status",
         "output_token_ids",
@@ -86,8 +85,8 @@ class Request:
         self.params = params
         self.sampler_params = params.sampler_view()  # what a batch carries to the sampler
         self.namespace = namespace
-        self.eos_token_id = eos_token_id
-        # When this sequence stops (and its text): the engine passes one with its detokenizer.
+        # When this sequence stops (and its text): the engine passes one with its detokenizer;
+        # otherwise ``eos_token_id`` and ``params`` decide on tokens alone.
         self.stop_rule = StopRule(params, eos_token_id) if stop_rule is None else stop_rule
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

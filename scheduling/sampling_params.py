@@ -36,8 +36,8 @@ class SamplingParams:
     ``logprobs`` asks for that many top alternatives (plus the chosen token)
     at every generated position. ``n`` sequences share the prompt.
     ``logit_bias`` adds a value in [-100, 100] to the logits of token ids
-    (given as a mapping, stored as sorted ``(id, bias)`` pairs); ids are
-    checked against the vocabulary where it is known (the HTTP layer).
+    (given as a mapping, stored as sorted ``(id, bias)`` pairs); the engine
+    checks the ids against the vocabulary (``LLMEngine.add_request``).
     """
 
     max_tokens: int = 16

@@ -67,9 +67,13 @@ def test_valid_keys_are_let_in_by_every_client(guarded: LiveServer) -> None:
 
 def test_a_burst_of_ten_times_capacity_gets_429_with_retry_after(guarded: LiveServer) -> None:
     capacity = 4
+    # Long enough that the burst has all arrived before the first admitted requests finish,
+    # however fast a step is: 512 engine steps each (64 let a fast tiny step drain the replica
+    # as quickly as the proxy fed it, and nothing was refused).
+    max_tokens = 512
 
     async def burst() -> list[tuple[int, dict[str, Any], str | None]]:
-        body = {"prompt": "burst", "max_tokens": 64, "ignore_eos": True}
+        body = {"prompt": "burst", "max_tokens": max_tokens, "ignore_eos": True}
         async with aiohttp.ClientSession(headers=GOOD, timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as s:
             async def one() -> tuple[int, dict[str, Any], str | None]:
                 async with s.post(f"{guarded.url}/v1/completions", json=body) as resp:
@@ -83,7 +87,7 @@ def test_a_burst_of_ten_times_capacity_gets_429_with_retry_after(guarded: LiveSe
     assert len(served) >= capacity and refused, f"{len(served)} served, {len(refused)} refused"
     for _, err, retry_after in refused:
         assert err["error"]["code"] == "rate_limit_exceeded" and retry_after is not None and int(retry_after) >= 1
-    assert all(body["usage"]["completion_tokens"] == 64 for _, body, _ in served)
+    assert all(body["usage"]["completion_tokens"] == max_tokens for _, body, _ in served)
     guarded.assert_pages_free()
     assert http(f"{guarded.url}/v1/completions", {"prompt": "hi", "max_tokens": 1}, GOOD)[0] == 200
 

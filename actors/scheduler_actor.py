@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 import torch
 
-from actors.cpu_threads import engine_cpu_threads, set_cpu_threads
+from actors.cpu_threads import engine_cpu_threads, engine_thread_init
 from actors.engine import LLMEngine
 from actors.engine_config import EngineConfig
 from actors.engine_stats import EngineStats, LatencyWindow, snapshot
@@ -84,7 +84,7 @@ class SchedulerService:
         # in-process forward gets the node's cores (Ray would leave it one; actors.cpu_threads).
         threads = engine_cpu_threads(config.cpu_threads) if config.executor == "local" else torch.get_num_threads()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step",
-                                          initializer=set_cpu_threads, initargs=(threads,))
+                                          initializer=engine_thread_init, initargs=(threads, "engine-step"))
         # The engine is built on that thread too: loading runs torch's parallel code, and
         # on any other thread it would leave a second OpenMP team (actors.cpu_threads).
         factory = executor_factory or default_executor

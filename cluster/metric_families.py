@@ -77,6 +77,7 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
     _c("request_success", "Finished sequences by finish reason (stop, length, abort, error).",
        (*REPLICA_LABELS, "finished_reason")),
     _c("num_preemptions", "Preemptions of running sequences."),
+    _c("engine_steps", "Engine steps run (one forward each)."),
     _c("process_cpu_seconds", "CPU seconds used by the engine process (rate() gives cores busy)."),
     _g("memory_used_bytes", "Resident memory of the engine process."),
     _g("memory_peak_bytes", "Peak resident memory of the engine process."),

@@ -9,7 +9,9 @@ one client), which defines TTFT, ITL and TPOT.
 When the server is flotilla, its ``/metrics`` is scraped before, during and
 after each run for the engine's peak memory, memory limit and utilisation
 (one replica per scrape: with several replicas, read Ray's Prometheus
-endpoint instead); for other servers these figures are null.
+endpoint instead); for other servers these figures are null. With
+``cpu_breakdown`` (the server on this host), each run also reports the CPU
+each process of the serving path used (``cli.bench.cpu_breakdown``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from cli.bench.cpu_breakdown import breakdown, snapshot
 from cli.bench.serve_arrivals import ArrivalConfig, arrival_offsets
 from cli.bench.serve_datasets import BenchRequest, DatasetConfig, build_requests
 from cli.bench.serve_report import samples, summarize
@@ -45,6 +48,7 @@ class ServeBenchConfig:
     timeout_s: float = 600.0
     num_warmups: int = 1
     metrics_interval_s: float = 1.0
+    cpu_breakdown: bool = False  # per-process CPU of the serving path (the server on this host)
 
     def arrivals(self, rate: float) -> ArrivalConfig:
         return ArrivalConfig(rate, self.burstiness, self.max_concurrency, self.dataset.seed)
@@ -97,6 +101,7 @@ async def _run_rate(session: aiohttp.ClientSession, cfg: ServeBenchConfig, model
         return r
 
     await probe.begin()
+    cpu_before = snapshot() if cfg.cpu_breakdown else None
     sampler = loop.create_task(probe.sample_every(cfg.metrics_interval_s))
     try:
         results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
@@ -104,6 +109,7 @@ async def _run_rate(session: aiohttp.ClientSession, cfg: ServeBenchConfig, model
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
     duration = loop.time() - start
+    cpu_after = snapshot() if cfg.cpu_breakdown else None
     server = await probe.end(duration)
     summary = summarize(list(results), duration, cfg.slo_ms)
     run: dict[str, Any] = {
@@ -123,6 +129,10 @@ async def _run_rate(session: aiohttp.ClientSession, cfg: ServeBenchConfig, model
         "utilization": server["gpu_utilization_perc"] if server["gpu_utilization_perc"] is not None
         else server["cpu_utilization_cores"],
     }
+    if cpu_before is not None and cpu_after is not None:
+        run["cpu_breakdown"] = breakdown(
+            cpu_before, cpu_after, wall_s=duration, num_requests=summary["successful_requests"],
+            output_tokens=summary["total_output_tokens"], engine_steps=server["engine_steps"])
     run["samples"] = samples(list(results))
     return run
 

@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "num_groups": 4, "prompts_per_group": 8, "prefix_len": 128, "num_conversations": 8, "num_turns": 4,
     "dataset_path": None, "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None,
     "ignore_eos": True, "temperature": 0.0, "slo": None, "timeout_s": 600.0, "num_warmups": 1,
-    "metrics_interval_s": 1.0, "out": None, "plot": None, "compare": None, "threshold": 0.05, "load": None,
+    "metrics_interval_s": 1.0, "cpu_breakdown": False, "out": None, "plot": None, "compare": None, "threshold": 0.05, "load": None,
 }
 
 
@@ -70,6 +70,8 @@ def add_bench_serve_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     sp.add_argument("--timeout-s", type=float, default=s, help="per request")
     sp.add_argument("--num-warmups", type=int, default=s, help="untimed requests sent first")
     sp.add_argument("--metrics-interval-s", type=float, default=s, help="server /metrics sampling period")
+    sp.add_argument("--cpu-breakdown", action=argparse.BooleanOptionalAction, default=s,
+                    help="CPU used by each process of the serving path (the server on this host; Linux)")
     sp.add_argument("--out", default=s, help="write the result JSON (with per-request samples)")
     sp.add_argument("--plot", default=s, help="write a PNG (latency vs rate, CDFs)")
     sp.add_argument("--compare", default=s, help="baseline result JSON: regression table, exit 1 if worse")
@@ -112,7 +114,7 @@ def bench_config(settings: dict[str, Any]) -> ServeBenchConfig:
         burstiness=float(st["burstiness"]), max_concurrency=st["max_concurrency"],
         ignore_eos=bool(st["ignore_eos"]), temperature=float(st["temperature"]), slo_ms=parse_slo(st["slo"]),
         timeout_s=float(st["timeout_s"]), num_warmups=int(st["num_warmups"]),
-        metrics_interval_s=float(st["metrics_interval_s"]))
+        metrics_interval_s=float(st["metrics_interval_s"]), cpu_breakdown=bool(st["cpu_breakdown"]))
 
 
 def _dump(obj: Any) -> str:

@@ -16,7 +16,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 WANTED = ("memory_used_bytes", "memory_peak_bytes", "memory_limit_bytes", "process_cpu_seconds_total",
-          "gpu_utilization_perc", "gpu_memory_used_bytes")
+          "gpu_utilization_perc", "gpu_memory_used_bytes", "engine_steps_total")
 
 
 def parse_flotilla_metrics(text: str) -> dict[str, dict[str, float]]:
@@ -90,11 +90,9 @@ class ServerProbe:
         if self.kind != "flotilla" or not self._last:
             return {"kind": self.kind, "peak_memory_bytes": None, "max_memory_used_bytes": None,
                     "memory_limit_bytes": None, "cpu_utilization_cores": None, "gpu_utilization_perc": None,
-                    "gpu_memory_used_bytes": None, "replicas_seen": 0}
-        cpu = [self._last[r]["process_cpu_seconds_total"] - s["process_cpu_seconds_total"]
-               for r, s in self._start.items()
-               if r in self._last and "process_cpu_seconds_total" in s
-               and "process_cpu_seconds_total" in self._last[r]]
+                    "gpu_memory_used_bytes": None, "engine_steps": None, "replicas_seen": 0}
+        cpu = self._advanced("process_cpu_seconds_total")
+        steps = self._advanced("engine_steps_total")
         limits = [f["memory_limit_bytes"] for f in self._last.values() if "memory_limit_bytes" in f]
         return {
             "kind": self.kind,
@@ -104,5 +102,11 @@ class ServerProbe:
             "cpu_utilization_cores": round(sum(cpu) / duration_s, 3) if cpu and duration_s > 0 else None,
             "gpu_utilization_perc": round(sum(self._gpu_util) / len(self._gpu_util), 1) if self._gpu_util else None,
             "gpu_memory_used_bytes": int(self._gpu_mem) or None,
+            "engine_steps": int(sum(steps)) if steps else None,
             "replicas_seen": len(self._last),
         }
+
+    def _advanced(self, name: str) -> list[float]:
+        """How far counter ``name`` moved on each replica seen at both ends of the run."""
+        return [self._last[r][name] - s[name] for r, s in self._start.items()
+                if r in self._last and name in s and name in self._last[r]]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from actors import shard_actor
 from actors.cpu_threads import (
     call_on_new_thread,
     engine_cpu_threads,
+    engine_thread_init,
     ray_reserved_cpus,
     usable_cores,
 )
@@ -155,3 +158,27 @@ def test_a_shard_loads_on_a_thread_that_ends(config: EngineConfig, monkeypatch: 
     [(ident, threads)] = loads
     assert ident != threading.get_ident() and threads == 2
     assert ident not in {t.ident for t in threading.enumerate()}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names come from /proc")
+def test_engine_thread_is_named_for_the_os_and_its_children_inherit_it() -> None:
+    names: list[str] = []
+
+    def comm() -> str:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    def child() -> None:
+        names.append(comm())
+
+    def engine() -> None:
+        engine_thread_init(1, "engine-step")
+        names.append(comm())
+        t = threading.Thread(target=child)  # as torch's OpenMP workers are started from it
+        t.start()
+        t.join()
+
+    worker = threading.Thread(target=engine)
+    worker.start()
+    worker.join()
+    assert names == ["engine-step", "engine-step"]
+    assert comm() != "engine-step"  # only that thread was renamed

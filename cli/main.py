@@ -26,6 +26,7 @@ from cli.bench.autoscale_cli import add_bench_autoscale_parser
 from cli.bench.serve_cli import add_bench_serve_parser
 from cli.plan.cli import add_plan_parser
 from cli.serve import add_serve_parser
+from scheduling.errors import InvalidParameterError
 
 
 def _bench_scheduler(args: argparse.Namespace) -> int:
@@ -125,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except InvalidParameterError as exc:  # a setting that cannot be honoured: its name and why, no trace
+        print(f"flotilla {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

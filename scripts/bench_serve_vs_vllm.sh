@@ -4,11 +4,14 @@
 # MODEL is anything flotilla loads (tiny, small, smollm2-135m, a folder, a .gguf file); vLLM gets its folder.
 # The real model with real chats: bash scripts/bench_serve_vs_vllm.sh smollm2-135m .bench/chat scripts/bench_serve_chat.yaml
 # The overhead pair on tiny: scripts/bench_serve_tiny_streams.yaml (32 streams), then scripts/bench_serve_tiny_lone.yaml (8 lone).
-# Needs `make peer-vllm` (the .peer-vllm venv). Writes flotilla.json, vllm.json (+ PNGs) under
-# OUT_DIR and prints the comparison table (flotilla as "new", vLLM as "base").
+# INGRESS (default proxy) is flotilla serve's --ingress; INGRESS="proxy haproxy" runs flotilla once
+# with each, before the one vLLM run. Needs `make peer-vllm` (the .peer-vllm venv). Writes
+# flotilla.json (the first ingress), flotilla_<ingress>.json, vllm.json (+ PNGs) under OUT_DIR and
+# prints a comparison table per ingress (flotilla as "new", vLLM as "base").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model_name=${1:-small} out=${2:-.bench/serve} config=${3:-scripts/bench_serve_compare.yaml}
+ingresses=${INGRESS:-proxy}
 mkdir -p "$out"
 model=$(.venv/bin/python -c "from actors.loader import resolve_model_path as r; print(r('$model_name'))")
 export RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1
@@ -26,13 +29,20 @@ wait_up() {  # bounded: 600 s for a server to answer /health
 bench() { .venv/bin/flotilla bench serve --config "$config" --base-url "$1" \
             --out "$out/$2.json" --plot "$out/$2.png" > /dev/null; }
 
-.venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \
-  --max-model-len 2048 > "$out/flotilla_server.log" 2>&1 &
-pid=$!
-wait_up http://127.0.0.1:8200 && bench http://127.0.0.1:8200 flotilla
-stop
+first=""
+for ingress in $ingresses; do
+  .venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \
+    --max-model-len 2048 --ingress "$ingress" > "$out/flotilla_${ingress}_server.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8200 && bench http://127.0.0.1:8200 "flotilla_$ingress"
+  stop
+  if [ -z "$first" ]; then first=$ingress; cp "$out/flotilla_$ingress.json" "$out/flotilla.json"; fi
+done
 bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_server.log" 2>&1 &
 pid=$!
 wait_up http://127.0.0.1:8100 && bench http://127.0.0.1:8100 vllm
 stop
-.venv/bin/flotilla bench serve --load "$out/flotilla.json" --compare "$out/vllm.json" || true
+for ingress in $ingresses; do
+  echo "== flotilla --ingress $ingress (new) vs vLLM (base)" >&2
+  .venv/bin/flotilla bench serve --load "$out/flotilla_$ingress.json" --compare "$out/vllm.json" > /dev/null || true
+done

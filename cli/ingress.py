@@ -1,0 +1,70 @@
+"""How HTTP reaches the replicas: Serve's proxy actor, or HAProxy in front of replicas that listen themselves.
+
+``proxy`` (the default) is Ray Serve's Python proxy actor. Every request and
+every streamed chunk crosses it as a Ray call, and it runs flotilla's request
+router (``--router prefix``).
+
+``haproxy`` is Ray 2.60's direct ingress: each replica serves HTTP on its own
+port (30000 and up, on ``--host``) and HAProxy, started by Serve, listens on
+``--port`` and balances connections to them (least connections). There is no
+Ray hop per chunk, so the serving path costs less CPU per token: on ``tiny``
+at 32 streams it gave 1.5x the proxy's output tok/s and a lone request's TTFT
+20 ms lower (docs/benchmarks.md, "Where the CPU goes"). It needs the
+``haproxy`` binary (Debian: ``apt-get install haproxy``; or set
+``RAY_SERVE_HAPROXY_BINARY_PATH``). HAProxy picks replicas itself, so the
+prefix router does not apply; asking for both is an error.
+
+Serve reads these settings from the Ray controller's environment, so they
+apply only to the Ray cluster ``flotilla serve`` starts. A cluster that is
+already running has its ingress set where it was started
+(``ray_configs/cluster.yaml``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from scheduling.errors import InvalidParameterError
+
+INGRESS_CHOICES = ("proxy", "haproxy")
+HAPROXY_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH")
+# A replica being removed keeps serving this long so HAProxy stops sending to it first. Serve's
+# default is 30 s, which made every Ctrl-C of `flotilla serve` take over a minute; HAProxy here is
+# reconfigured by the same controller within ~0.1 s (RAY_SERVE_HAPROXY_BROADCAST_COALESCE_S), so
+# 5 s is ample. An explicit setting in the environment wins.
+DRAINING_ENV, DRAINING_DEFAULT_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5"
+
+
+def haproxy_binary() -> str | None:
+    """``$RAY_SERVE_HAPROXY_BINARY_PATH`` when set, else ``haproxy`` on ``PATH``; None if neither exists."""
+    given = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if given:
+        return given if os.access(given, os.X_OK) else None
+    return shutil.which("haproxy") or (
+        "/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+
+
+def ingress_environment(ingress: str, *, router: str, starts_cluster: bool) -> dict[str, str]:
+    """The environment Serve needs for ``ingress``; raises ``InvalidParameterError`` when it cannot be honoured."""
+    if ingress not in INGRESS_CHOICES:
+        raise InvalidParameterError("ingress", f"unknown ingress {ingress!r}; choose one of {', '.join(INGRESS_CHOICES)}")
+    if ingress == "proxy":
+        return {}
+    if router == "prefix":
+        raise InvalidParameterError(
+            "ingress", "--ingress haproxy balances connections itself, so --router prefix cannot apply; "
+                       "use --ingress proxy for prefix-aware routing")
+    if not starts_cluster:
+        raise InvalidParameterError(
+            "ingress", "--ingress haproxy configures the Ray cluster flotilla serve starts; this one joins a "
+                       f"running cluster, whose ingress is set where it was started ({', '.join(HAPROXY_ENV[:2])}=1 "
+                       "in its environment)")
+    binary = haproxy_binary()
+    if binary is None:
+        raise InvalidParameterError(
+            "ingress", "--ingress haproxy needs the haproxy binary: install it (Debian/Ubuntu: apt-get install "
+                       "haproxy), set RAY_SERVE_HAPROXY_BINARY_PATH, or use --ingress proxy")
+    env = dict(zip(HAPROXY_ENV, ("1", "1", binary), strict=True))
+    env[DRAINING_ENV] = os.environ.get(DRAINING_ENV, DRAINING_DEFAULT_S)
+    return env

@@ -1,0 +1,54 @@
+"""``--ingress``: what each choice asks of Serve, and the clear errors when it cannot be honoured."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from cli.ingress import DRAINING_ENV, ingress_environment
+from cli.main import main
+from scheduling.errors import InvalidParameterError
+
+
+def _fake_haproxy(tmp_path: Path) -> str:
+    binary = tmp_path / "haproxy"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    return str(binary)
+
+
+def test_proxy_needs_nothing() -> None:
+    assert ingress_environment("proxy", router="prefix", starts_cluster=False) == {}
+
+
+def test_haproxy_turns_on_direct_ingress_with_the_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", _fake_haproxy(tmp_path))
+    monkeypatch.delenv(DRAINING_ENV, raising=False)
+    env = ingress_environment("haproxy", router="default", starts_cluster=True)
+    assert env == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                   "RAY_SERVE_HAPROXY_BINARY_PATH": str(tmp_path / "haproxy"), DRAINING_ENV: "5"}
+    monkeypatch.setenv(DRAINING_ENV, "12")
+    assert ingress_environment("haproxy", router="default", starts_cluster=True)[DRAINING_ENV] == "12"
+
+
+@pytest.mark.parametrize(("router", "starts", "binary", "needle"), [
+    ("prefix", True, True, "--router prefix cannot apply"),
+    ("default", False, True, "joins a running cluster"),
+    ("default", True, False, "needs the haproxy binary"),
+])
+def test_haproxy_that_cannot_be_honoured_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, router: str,
+                                                     starts: bool, binary: bool, needle: str) -> None:
+    path = _fake_haproxy(tmp_path) if binary else str(tmp_path / "missing")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", path)
+    with pytest.raises(InvalidParameterError) as err:
+        ingress_environment("haproxy", router=router, starts_cluster=starts)
+    assert err.value.param == "ingress" and needle in str(err.value)
+
+
+def test_the_cli_names_the_setting_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "tiny", "--ingress", "haproxy", "--router", "prefix"]) == 2
+    assert "flotilla serve: ingress: --ingress haproxy" in capsys.readouterr().err
+    assert not {k for k in os.environ if k.startswith("RAY_SERVE_ENABLE_")}  # refused before any was set

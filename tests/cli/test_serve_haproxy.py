@@ -1,0 +1,141 @@
+"""``flotilla serve --ingress haproxy``: HAProxy on the port, the replica serving HTTP itself, every guarantee kept.
+
+The console script runs as a user runs it (``tests/cli/cli_server.py``). The
+checks: HAProxy, not Serve's proxy, holds the port; the official openai client
+streams and the JSON answer matches; a client that leaves mid-stream frees its
+pages (one server for these); a killed scheduler actor fails its stream clearly, the replica is
+replaced behind HAProxy and answers again with every page free. Needs the
+``haproxy`` binary (``.ci/run`` installs Debian's).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cli.ingress import haproxy_binary
+from tests.cli.cli_server import cli_server
+
+pytestmark = pytest.mark.skipif(haproxy_binary() is None,
+                                reason="needs the haproxy binary (apt-get install haproxy; .ci/run installs it)")
+
+ARGS = ["--model", "tiny", "--ingress", "haproxy", "--cpu-threads", "1", "--max-model-len", "1024",
+        "--num-kv-pages", "128", "--max-num-seqs", "8", "--dtype", "float32"]
+DEADLINE_S = 90.0
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
+    deadline, pause = time.monotonic() + timeout_s, 0.02
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(pause)  # backoff between polls of the state checked above
+        pause = min(pause * 2, 0.5)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name in ("flotilla:kv_cache_usage_perc", "flotilla:num_requests_running",
+                          "flotilla:num_requests_waiting")}
+
+
+def _pages_free(url: str) -> bool:
+    m = _metrics(url)
+    return (m.get("flotilla:kv_cache_usage_perc") == 0.0 and m.get("flotilla:num_requests_running") == 0.0
+            and m.get("flotilla:num_requests_waiting") == 0.0)
+
+
+def _listener(port: int) -> psutil.Process:
+    [conn] = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert conn.pid is not None
+    return psutil.Process(conn.pid)
+
+
+def _descendant(proc: psutil.Process, marker: str) -> psutil.Process:
+    [found] = [p for p in proc.children(recursive=True) if marker in " ".join(p.cmdline())]
+    return found
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture()
+def served(tmp_path: Path) -> Iterator[tuple[str, psutil.Popen]]:
+    with cli_server(ARGS, tmp_path / "serve.log") as server:
+        yield server
+
+
+def test_haproxy_holds_the_port_streams_like_json_and_frees_left_streams(served: tuple[str, psutil.Popen]) -> None:
+    url, proc = served
+    front = _listener(int(url.rsplit(":", 1)[1]))
+    assert front.name() == "haproxy", front.cmdline()
+    replica = _descendant(proc, "ray::ServeReplica")
+    assert any(c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1" for c in replica.net_connections("tcp")), \
+        "the replica serves HTTP itself, on loopback"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = _model(client)
+    whole = client.completions.create(model=model, prompt="The sea is", max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    stream = client.completions.create(model=model, prompt="The sea is", max_tokens=24, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+    _until("every page to be free", lambda: _pages_free(url))
+    # A client that leaves mid-stream frees its pages.
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": model, "prompt": "go on and on", "max_tokens": 900, "ignore_eos": True,
+                       "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data:")  # the request runs: it holds pages now
+    assert not _pages_free(url)
+    conn.sock.shutdown(2)  # the client leaves mid-stream (HAProxy closes the replica's side)
+    conn.close()
+    _until("the abandoned request's pages to be free", lambda: _pages_free(url), timeout_s=30)
+
+
+def test_a_killed_scheduler_is_replaced_behind_haproxy(served: tuple[str, psutil.Popen]) -> None:
+    url, proc = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = _model(client)
+    old_replica = _descendant(proc, "ray::ServeReplica")
+    stream = client.completions.create(model=model, prompt="doomed", max_tokens=900, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # a token has arrived: the request is in flight
+    os.kill(_descendant(proc, "ray::SchedulerService").pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as err:
+        for _ in stream:
+            pass
+    assert "scheduler" in str(err.value), err.value
+
+    def answers_on_a_new_replica() -> bool:
+        try:
+            reply = client.completions.create(model=model, prompt="again", max_tokens=4, timeout=10)
+        except openai.APIError:
+            return False  # 503 until Serve has replaced the replica and HAProxy points at it
+        return reply.usage is not None and reply.usage.completion_tokens == 4
+
+    _until("a replacement replica to answer", answers_on_a_new_replica)
+    replicas = {p.pid for p in proc.children(recursive=True) if "ray::ServeReplica" in " ".join(p.cmdline())}
+    assert replicas - {old_replica.pid}, "Serve replaced the replica"
+    _until("every page to be free", lambda: _pages_free(url))

@@ -8,8 +8,8 @@ router (``--router prefix``).
 port (30000 and up, on ``--host``) and HAProxy, started by Serve, listens on
 ``--port`` and balances connections to them (least connections). There is no
 Ray hop per chunk, so the serving path costs less CPU per token: on ``tiny``
-at 32 streams it gave 1.5x the proxy's output tok/s and a lone request's TTFT
-20 ms lower (docs/benchmarks.md, "Where the CPU goes"). It needs the
+it gave 1.27x the proxy's output tok/s at 32 streams and a lone request's
+TTFT 10 ms lower, medians of 3 (docs/benchmarks.md). It needs the
 ``haproxy`` binary (Debian: ``apt-get install haproxy``; or set
 ``RAY_SERVE_HAPROXY_BINARY_PATH``). HAProxy picks replicas itself, so the
 prefix router does not apply; asking for both is an error.

@@ -6,8 +6,8 @@
 # The overhead pair on tiny: scripts/bench_serve_tiny_streams.yaml (32 streams), then scripts/bench_serve_tiny_lone.yaml (8 lone).
 # INGRESS (default proxy) is flotilla serve's --ingress; INGRESS="proxy haproxy" runs flotilla once
 # with each, before the one vLLM run. Needs `make peer-vllm` (the .peer-vllm venv). Writes
-# flotilla.json (the first ingress), flotilla_<ingress>.json, vllm.json (+ PNGs) under OUT_DIR and
-# prints a comparison table per ingress (flotilla as "new", vLLM as "base").
+# flotilla_<ingress>.json, vllm.json (+ PNGs) under OUT_DIR and prints a comparison table per
+# ingress (flotilla as "new", vLLM as "base").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model_name=${1:-small} out=${2:-.bench/serve} config=${3:-scripts/bench_serve_compare.yaml}
@@ -29,14 +29,12 @@ wait_up() {  # bounded: 600 s for a server to answer /health
 bench() { .venv/bin/flotilla bench serve --config "$config" --base-url "$1" \
             --out "$out/$2.json" --plot "$out/$2.png" > /dev/null; }
 
-first=""
 for ingress in $ingresses; do
   .venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \
     --max-model-len 2048 --ingress "$ingress" > "$out/flotilla_${ingress}_server.log" 2>&1 &
   pid=$!
   wait_up http://127.0.0.1:8200 && bench http://127.0.0.1:8200 "flotilla_$ingress"
   stop
-  if [ -z "$first" ]; then first=$ingress; cp "$out/flotilla_$ingress.json" "$out/flotilla.json"; fi
 done
 bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_server.log" 2>&1 &
 pid=$!

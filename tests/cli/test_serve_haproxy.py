@@ -14,8 +14,7 @@ import http.client
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -25,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cli.ingress import haproxy_binary
 from tests.cli.cli_server import cli_server
+from tests.serve_harness import poll_until
 
 pytestmark = pytest.mark.skipif(haproxy_binary() is None,
                                 reason="needs the haproxy binary (apt-get install haproxy; .ci/run installs it)")
@@ -32,14 +32,6 @@ pytestmark = pytest.mark.skipif(haproxy_binary() is None,
 ARGS = ["--model", "tiny", "--ingress", "haproxy", "--cpu-threads", "1", "--max-model-len", "1024",
         "--num-kv-pages", "128", "--max-num-seqs", "8", "--dtype", "float32"]
 DEADLINE_S = 90.0
-
-
-def _until(what: str, check: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
-    deadline, pause = time.monotonic() + timeout_s, 0.02
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(pause)  # backoff between polls of the state checked above
-        pause = min(pause * 2, 0.5)
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -98,7 +90,7 @@ def test_haproxy_holds_the_port_streams_like_json_and_frees_left_streams(served:
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
-    _until("every page to be free", lambda: _pages_free(url))
+    poll_until(lambda: _pages_free(url), DEADLINE_S, "every page to be free")
     # A client that leaves mid-stream frees its pages.
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -111,7 +103,7 @@ def test_haproxy_holds_the_port_streams_like_json_and_frees_left_streams(served:
     assert not _pages_free(url)
     conn.sock.shutdown(2)  # the client leaves mid-stream (HAProxy closes the replica's side)
     conn.close()
-    _until("the abandoned request's pages to be free", lambda: _pages_free(url), timeout_s=30)
+    poll_until(lambda: _pages_free(url), 30, "the abandoned request's pages to be free")
 
 
 def test_a_killed_scheduler_is_replaced_behind_haproxy(served: tuple[str, psutil.Popen]) -> None:
@@ -135,7 +127,7 @@ def test_a_killed_scheduler_is_replaced_behind_haproxy(served: tuple[str, psutil
             return False  # 503 until Serve has replaced the replica and HAProxy points at it
         return reply.usage is not None and reply.usage.completion_tokens == 4
 
-    _until("a replacement replica to answer", answers_on_a_new_replica)
+    poll_until(answers_on_a_new_replica, DEADLINE_S, "a replacement replica to answer")
     replicas = {p.pid for p in proc.children(recursive=True) if "ray::ServeReplica" in " ".join(p.cmdline())}
     assert replicas - {old_replica.pid}, "Serve replaced the replica"
-    _until("every page to be free", lambda: _pages_free(url))
+    poll_until(lambda: _pages_free(url), DEADLINE_S, "every page to be free")

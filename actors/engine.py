@@ -7,6 +7,7 @@ message per step carrying every request's progress.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from actors.detokenizer import IncrementalDetokenizer
@@ -52,6 +53,10 @@ class LLMEngine:
         # The batch whose execute() raised, until fail_step/fail_all settles it:
         # its scheduler bookkeeping is still open and its requests' state unknown.
         self._failed_batch: Batch | None = None
+        # Seconds spent in executor.execute, summed over steps (the forward as the engine waits for it:
+        # with shards on other actors, their round trip too). Per step against engine steps, it shows
+        # what the serving path around the engine costs the forward (flotilla bench serve / offline).
+        self.forward_seconds_total = 0.0
 
     # ----------------------------------------------------------------- intake
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -198,12 +203,15 @@ class LLMEngine:
 
     def execute(self, batch: Batch) -> StepOutput:
         """Run a planned step on the executor; touches no request state."""
+        start = time.perf_counter()
         try:
             return self.executor.execute(batch)
         except BaseException:
             # The caller settles it with fail_step() or fail_all().
             self._failed_batch = batch
             raise
+        finally:
+            self.forward_seconds_total += time.perf_counter() - start
 
     def finish_step(self, batch: Batch, output: StepOutput) -> list[SequenceDelta]:
         """Apply a step's sampled tokens (the scheduler detokenizes and stops them); emit deltas.

@@ -107,6 +107,8 @@ class EngineStats:
     memory_peak_bytes: int = 0
     memory_limit_bytes: int = 0
     cpu_seconds_total: float = 0.0
+    # Seconds the engine spent in forwards (``LLMEngine.forward_seconds_total``); per step, with num_steps.
+    forward_seconds_total: float = 0.0
     # The device this process drives (None without CUDA): memory in use on it
     # (by every process), its size, and its utilisation over the last sample period.
     gpu_memory_used_bytes: int | None = None
@@ -213,6 +215,7 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         memory_peak_bytes=mem.peak_bytes,
         memory_limit_bytes=mem.limit_bytes,
         cpu_seconds_total=round(mem.cpu_seconds, 3),
+        forward_seconds_total=round(engine.forward_seconds_total, 6),
         gpu_memory_used_bytes=mem.gpu_used_bytes,
         gpu_memory_total_bytes=mem.gpu_total_bytes,
         gpu_utilization_perc=mem.gpu_utilization_perc,

@@ -78,6 +78,7 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
        (*REPLICA_LABELS, "finished_reason")),
     _c("num_preemptions", "Preemptions of running sequences."),
     _c("engine_steps", "Engine steps run (one forward each)."),
+    _c("engine_forward_seconds", "Seconds the engine spent in forwards; over engine_steps, seconds per step."),
     _c("process_cpu_seconds", "CPU seconds used by the engine process (rate() gives cores busy)."),
     _g("memory_used_bytes", "Resident memory of the engine process."),
     _g("memory_peak_bytes", "Peak resident memory of the engine process."),

@@ -209,6 +209,7 @@ class ReplicaMetrics:
         self._advance("prefix_cache_hits", stats.prefix_cache_hits_tokens)
         self._advance("num_preemptions", stats.num_preemptions)
         self._advance("engine_steps", stats.num_steps)
+        self._advance("engine_forward_seconds", stats.forward_seconds_total)
         self._advance("process_cpu_seconds", stats.cpu_seconds_total)
         self._record("memory_used_bytes", stats.memory_used_bytes)
         self._record("memory_peak_bytes", stats.memory_peak_bytes)

@@ -65,9 +65,12 @@ def run(model: str, workload: str | Path, *, progress: bool = False, batch1_prom
     prompts = [r["prompt_token_ids"] for r in reqs]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in reqs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up, as the peers do
+    steps0, forward0 = llm.engine.scheduler.stats.num_steps, llm.engine.forward_seconds_total
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=progress)
     dt = time.perf_counter() - t0
+    steps = llm.engine.scheduler.stats.num_steps - steps0
+    forward_s = llm.engine.forward_seconds_total - forward0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     cap = llm.engine.executor.capacity
     extra: dict[str, Any] = {}
@@ -82,6 +85,8 @@ def run(model: str, workload: str | Path, *, progress: bool = False, batch1_prom
         "seconds": round(dt, 3),
         "output_tokens": out_tokens,
         "output_tok_per_s": round(out_tokens / dt, 1),
+        "engine_steps": steps,
+        "engine_forward_ms_per_step": round(forward_s * 1e3 / steps, 3) if steps else None,
         "peak_rss_mib": peak_rss_mib(),
         "kv_pool_mib": round(cap.bytes / 2**20, 1),
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],

@@ -16,7 +16,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 WANTED = ("memory_used_bytes", "memory_peak_bytes", "memory_limit_bytes", "process_cpu_seconds_total",
-          "gpu_utilization_perc", "gpu_memory_used_bytes", "engine_steps_total")
+          "gpu_utilization_perc", "gpu_memory_used_bytes", "engine_steps_total",
+          "engine_forward_seconds_total")
 
 
 def parse_flotilla_metrics(text: str) -> dict[str, dict[str, float]]:
@@ -90,9 +91,11 @@ class ServerProbe:
         if self.kind != "flotilla" or not self._last:
             return {"kind": self.kind, "peak_memory_bytes": None, "max_memory_used_bytes": None,
                     "memory_limit_bytes": None, "cpu_utilization_cores": None, "gpu_utilization_perc": None,
-                    "gpu_memory_used_bytes": None, "engine_steps": None, "replicas_seen": 0}
+                    "gpu_memory_used_bytes": None, "engine_steps": None, "engine_forward_ms_per_step": None,
+                    "replicas_seen": 0}
         cpu = self._advanced("process_cpu_seconds_total")
         steps = self._advanced("engine_steps_total")
+        forward = self._advanced("engine_forward_seconds_total")
         limits = [f["memory_limit_bytes"] for f in self._last.values() if "memory_limit_bytes" in f]
         return {
             "kind": self.kind,
@@ -103,6 +106,10 @@ class ServerProbe:
             "gpu_utilization_perc": round(sum(self._gpu_util) / len(self._gpu_util), 1) if self._gpu_util else None,
             "gpu_memory_used_bytes": int(self._gpu_mem) or None,
             "engine_steps": int(sum(steps)) if steps else None,
+            # The forward's own time per step, to set beside `flotilla bench offline`'s: what the serving
+            # path's processes, sharing the cores, cost the forward.
+            "engine_forward_ms_per_step": (round(sum(forward) * 1e3 / sum(steps), 3)
+                                           if forward and steps and sum(steps) > 0 else None),
             "replicas_seen": len(self._last),
         }
 

@@ -19,6 +19,9 @@ def test_bench_offline_reports_the_workload_and_batch1(tmp_path: Path, tiny_mode
                  "--max-model-len", "256", "--batch1-prompt-len", "10", "--batch1-tokens", "6"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 4 and out["output_tokens"] == sum(r["max_tokens"] for r in reqs)
+    # Four requests batched together: one step per token of the longest, and each step ran a forward.
+    assert out["engine_steps"] == max(r["max_tokens"] for r in reqs)
+    assert 0 < out["engine_forward_ms_per_step"] * out["engine_steps"] < out["seconds"] * 1e3
     b1 = out["batch1"]
     assert (b1["prompt_tokens"], b1["output_tokens"], b1["runs"]) == (10, 6, 3)
     assert b1["prefill_tok_per_s"] > 0 and b1["decode_tok_per_s"] > 0

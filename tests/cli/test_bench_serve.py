@@ -286,6 +286,9 @@ def test_live_run_through_the_cli(server: Any, tmp_path: Path, capsys: pytest.Ca
     assert run["goodput"]["good_requests"] == 8
     assert run["server_metrics"]["peak_memory_bytes"] > 0 and run["server_metrics"]["memory_limit_bytes"] > 0
     assert run["headline"]["peak_memory_bytes"] == run["server_metrics"]["peak_memory_bytes"]
+    steps, forward_ms = run["server_metrics"]["engine_steps"], run["server_metrics"]["engine_forward_ms_per_step"]
+    assert steps >= max(r.max_tokens for r in build_requests(bench_config(resolve_settings({"config": str(cfg)})).dataset))
+    assert 0 < forward_ms * steps < run["duration_s"] * 1e3  # the forwards fit inside the run
     assert len(run["samples"]["ttft_ms"]) == 8 and "samples" not in printed["runs"][0]
     assert not have_matplotlib or plot.read_bytes().startswith(b"\x89PNG")
     server.assert_pages_free()

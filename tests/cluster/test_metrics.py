@@ -99,7 +99,7 @@ def test_engine_stats_become_gauges_and_counters() -> None:
     rm = ReplicaMetrics("tiny", "r1", export_to_ray=False)
     rm.update(stats())
     rm.update(stats(prefix_cache_queries_tokens=500, prefix_cache_hits_tokens=160, num_preemptions=3,
-                    cpu_seconds_total=4.0, num_running=1, num_steps=41))
+                    cpu_seconds_total=4.0, num_running=1, num_steps=41, forward_seconds_total=0.75))
     s = samples(rm.render())
     assert s[("flotilla:num_requests_running", ())] == 1
     assert s[("flotilla:num_requests_waiting", ())] == 2
@@ -108,6 +108,7 @@ def test_engine_stats_become_gauges_and_counters() -> None:
     assert s[("flotilla:prefix_cache_hits_total", ())] == 160
     assert s[("flotilla:num_preemptions_total", ())] == 3
     assert s[("flotilla:engine_steps_total", ())] == 41
+    assert s[("flotilla:engine_forward_seconds_total", ())] == 0.75
     assert s[("flotilla:process_cpu_seconds_total", ())] == 4.0
     assert s[("flotilla:memory_peak_bytes", ())] == 1500
     assert s[("flotilla:memory_limit_bytes", ())] == 8000

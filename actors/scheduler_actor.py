@@ -274,6 +274,17 @@ class SchedulerService:
         self._engine.shutdown()
         self._thread.shutdown(wait=False)
 
+    def close(self) -> None:
+        """Synchronous teardown from any thread, for an owner being destroyed (the replica's ``__del__``).
+
+        Stops the step loop after its current pass and the engine thread after
+        its current forward; the executor is shut down with it (a tensor-parallel
+        executor's shards are killed). ``shutdown`` is the orderly, awaited path.
+        """
+        self._closed = True
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._engine.shutdown()
+
 
 # max_concurrency bounds concurrent coroutines: many consumers long-poll at once.
 SchedulerActor = ray.remote(max_concurrency=1024)(SchedulerService)  # type: ignore[call-overload]

@@ -19,7 +19,10 @@
   ``served_model_name`` (default: ``model``), ``scheduler_options`` (Ray actor
   options of each replica's SchedulerActor, e.g. ``{"num_gpus": 1}``),
   ``max_body_bytes``, ``api_keys`` (a key or a list; default ``$FLOTILLA_API_KEY``),
-  ``max_queued_requests`` (per replica beyond ``max_num_seqs``; more get 429);
+  ``max_queued_requests`` (per replica beyond ``max_num_seqs``; more get 429),
+  ``scheduler_placement`` (``actor``, the default: each replica's scheduler is
+  its own actor; ``replica``: it runs in the replica's process, see
+  ``apps.local_scheduler``; then resources go in ``replica_options``);
 - ``autoscaling``: a dict, see ``cluster.autoscaling.serve_autoscaling_config``
   (``policy: flotilla|default``, min/max replicas, SLOs, queue target, delays);
 - ``request_router``: ``prefix`` | ``default`` or a dict of the prefix router's
@@ -40,6 +43,7 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from actors.engine_config import EngineConfig
+from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
 from cluster.autoscaling import serve_autoscaling_config
 from cluster.request_router import router_config
@@ -47,7 +51,7 @@ from scheduling.errors import InvalidParameterError
 
 # Passed to ``LLMServer``'s constructor.
 APP_OPTIONS = ("num_replicas", "served_model_name", "scheduler_options", "max_body_bytes",
-               "api_keys", "max_queued_requests")
+               "api_keys", "max_queued_requests", "scheduler_placement")
 # Deployment options (they shape the Serve deployment, not the replica object).
 DEPLOYMENT_OPTIONS = ("autoscaling", "request_router", "graceful_shutdown_timeout_s",
                       "replica_options", "max_ongoing_requests")
@@ -104,6 +108,7 @@ def build_app(args: dict[str, Any]) -> Application:
     """The OpenAI-compatible application for ``args`` (see the module docstring)."""
     engine, options = split_args(dict(args))
     config = EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
+    check_placement(options.get("scheduler_placement", DEFAULT_PLACEMENT), options.get("scheduler_options"))
     deployment = cast(Deployment, LLMServer)  # @serve.deployment made the class a Deployment
     deploy = deployment_options(options)
     # Let a replica see every request it may hold, so it answers the excess with 429 itself

@@ -2,7 +2,9 @@
 
 Each replica owns one ``SchedulerActor`` (created in ``__init__``, waited on
 until healthy) and one ``StreamFanout`` task that long-polls it, so a replica
-makes at most one output call per engine step. The replica tokenizes (and
+makes at most one output call per engine step. With
+``scheduler_placement="replica"`` the scheduler runs in the replica's own
+process instead (``apps.local_scheduler``), behind the same call shape. The replica tokenizes (and
 applies the chat template) itself and submits token ids, so usage counts are
 exact; long prompts are encoded off the event loop (``apps.prompt_encoder``).
 A completions batch (``prompt`` a list of prompts) is one engine request per
@@ -38,6 +40,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.engine_config import EngineConfig
+from actors.engine_stats import EngineStats
 from actors.loader import load_tokenizer, resolve_model_path
 from actors.scheduler_actor import SchedulerActor
 from apps import protocol as p
@@ -45,12 +48,14 @@ from apps import request_params as rq
 from apps.auth import ApiKeyAuth
 from apps.detached import detached
 from apps.errors import APIError
+from apps.local_scheduler import LocalScheduler
 from apps.prompt_encoder import PromptEncoder
 from apps.replica_stats import ReplicaStats
 from apps.request_body import read_body
 from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
 from apps.responses import RETRY_AFTER_S, error_json, sse, whole
+from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
 from apps.token_text import TokenText
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
@@ -99,8 +104,10 @@ class LLMServer(ReplicaStats):
                  scheduler_options: dict[str, Any] | None = None,
                  max_body_bytes: int = rq.DEFAULT_MAX_BODY_BYTES, startup_timeout_s: float = 600.0,
                  api_keys: str | list[str] | None = None,
-                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> None:
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+                 scheduler_placement: str = DEFAULT_PLACEMENT) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
+        check_placement(scheduler_placement, scheduler_options)
         self.auth = ApiKeyAuth.resolve(api_keys)
         if max_queued_requests < 0:
             raise InvalidParameterError("max_queued_requests", f"must be >= 0, got {max_queued_requests}")
@@ -112,10 +119,14 @@ class LLMServer(ReplicaStats):
         self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
         self._encoder = PromptEncoder(self.tokenizer)
         self._token_text = TokenText(self.tokenizer)
-        self._actor = SchedulerActor.options(**(scheduler_options or {})).remote(self.config)
-        status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
-        if not status.ok:
-            raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
+        self._actor: Any
+        if scheduler_placement == "replica":
+            self._actor = LocalScheduler(self.config)  # built (model loaded) when this returns
+        else:
+            self._actor = SchedulerActor.options(**(scheduler_options or {})).remote(self.config)
+            status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
+            if not status.ok:
+                raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
         replica_id = f"replica-{uuid.uuid4().hex[:12]}"
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
         self._fanout = StreamFanout(self._actor, replica_id, observer=self.latency_observer(self.metrics.observe))
@@ -140,7 +151,17 @@ class LLMServer(ReplicaStats):
         with contextlib.suppress(Exception):
             self._fanout.cancel()
             self.metrics.stop_reporting()
-            ray.kill(self._actor, no_restart=True)
+            if isinstance(self._actor, LocalScheduler):
+                self._actor.close()
+            else:
+                ray.kill(self._actor, no_restart=True)
+
+    async def engine_stats(self) -> EngineStats:
+        """The engine's stats, for a ``DeploymentHandle`` caller (tools, tests).
+
+        With ``scheduler_placement=replica`` there is no scheduler actor to ask directly.
+        """
+        return await self._engine_stats()
 
     # ----------------------------------------------------------------- routes
     @app.post("/v1/completions")

@@ -22,6 +22,7 @@ import signal
 import time
 from typing import Any
 
+from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
 
 DEFAULT_HOST = "127.0.0.1"
@@ -83,6 +84,9 @@ def add_elastic_arguments(sp: argparse.ArgumentParser) -> None:
                    help="CPUs reserved for each LLMServer replica actor")
     g.add_argument("--scheduler-num-cpus", type=float, default=None,
                    help="CPUs reserved for each replica's scheduler actor")
+    g.add_argument("--scheduler-placement", choices=SCHEDULER_PLACEMENTS, default=DEFAULT_PLACEMENT,
+                   help="where each replica's scheduler runs: its own actor, or the replica's process "
+                        "(no Ray call per request or per step; see docs/benchmarks.md)")
 
 
 def elastic_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,6 +108,8 @@ def elastic_args(args: argparse.Namespace) -> dict[str, Any]:
         out["graceful_shutdown_timeout_s"] = args.graceful_shutdown_timeout_s
     if args.replica_num_cpus is not None:
         out["replica_options"] = {"num_cpus": args.replica_num_cpus}
+    if args.scheduler_placement != DEFAULT_PLACEMENT:
+        out["scheduler_placement"] = args.scheduler_placement
     return out
 
 

@@ -1,6 +1,7 @@
 """Issue 6's serving targets, side by side in one run: HTTP at saturation vs the offline engine.
 
     .venv/bin/python scripts/bench_http_vs_offline.py --runs 3 [--model tiny]
+        [--ingress haproxy] [--scheduler-placement replica]   # flotilla serve's options of those names
 
 For each side, ``--runs`` runs (the offline runs first, then the HTTP runs against one server):
 - offline: ``flotilla bench offline`` on the workload at max_num_seqs 64
@@ -90,13 +91,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30
     raise TimeoutError(f"{url} never became healthy")
 
 
-def http_side(model: str, workload: Path, runs: int) -> list[dict[str, float]]:
+def http_side(model: str, workload: Path, runs: int, serve_options: list[str]) -> list[dict[str, float]]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(ONE_THREAD)
     env.pop("RAY_ADDRESS", None)
     server = subprocess.Popen([str(BIN / "flotilla"), "serve", "--model", model, "--port", str(port),
-                               "--max-num-seqs", "64", "--cpu-threads", "1"], cwd=ROOT, env=env,
+                               "--max-num-seqs", "64", "--cpu-threads", "1", *serve_options], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(url, server)
@@ -124,7 +125,10 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--workload", default=None, help="JSONL (default: make_workload.py --seed 0)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--ingress", default="proxy", help="flotilla serve --ingress")
+    parser.add_argument("--scheduler-placement", default="actor", help="flotilla serve --scheduler-placement")
     args = parser.parse_args()
+    serve_options = ["--ingress", args.ingress, "--scheduler-placement", args.scheduler_placement]
     workload = Path(args.workload) if args.workload else Path(tempfile.mkdtemp()) / "workload.jsonl"
     if args.workload is None:
         with workload.open("w") as f:
@@ -135,13 +139,13 @@ def main() -> int:
         tput = _json_cmd([str(BIN / "flotilla"), "bench", "offline", "--model", args.model, "--workload",
                           str(workload), "--max-num-seqs", "64"])["output_tok_per_s"]
         offline.append({"output_tok_per_s": tput, "lone_ttft_ms_p50": offline_lone_ttft_ms(args.model, workload)})
-    http = http_side(args.model, workload, args.runs)
+    http = http_side(args.model, workload, args.runs, serve_options)
 
     def med(rows: list[dict[str, float]], key: str) -> float:
         return round(statistics.median(r[key] for r in rows), 2)
 
     result = {
-        "model": args.model, "runs": args.runs, "workload": str(workload),
+        "model": args.model, "runs": args.runs, "workload": str(workload), "serve_options": serve_options,
         "offline": {"output_tok_per_s": med(offline, "output_tok_per_s"),
                     "lone_ttft_ms": med(offline, "lone_ttft_ms_p50"), "per_run": offline},
         "http": {"output_tok_per_s": med(http, "output_tok_per_s"),

@@ -7,11 +7,13 @@
 # INGRESS (default proxy) is flotilla serve's --ingress; INGRESS="proxy haproxy" runs flotilla once
 # with each, before the one vLLM run. Needs `make peer-vllm` (the .peer-vllm venv). Writes
 # flotilla_<ingress>.json, vllm.json (+ PNGs) under OUT_DIR and prints a comparison table per
-# ingress (flotilla as "new", vLLM as "base").
+# ingress (flotilla as "new", vLLM as "base"). PLACEMENT (default actor) is --scheduler-placement;
+# PLACEMENT="actor replica" runs each ingress with each (a replica-placed run is named
+# flotilla_<ingress>_replica). SKIP_VLLM=1 compares the flotilla runs alone, against the first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model_name=${1:-small} out=${2:-.bench/serve} config=${3:-scripts/bench_serve_compare.yaml}
-ingresses=${INGRESS:-proxy}
+ingresses=${INGRESS:-proxy} placements=${PLACEMENT:-actor}
 mkdir -p "$out"
 model=$(.venv/bin/python -c "from actors.loader import resolve_model_path as r; print(r('$model_name'))")
 export RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1
@@ -29,18 +31,29 @@ wait_up() {  # bounded: 600 s for a server to answer /health
 bench() { .venv/bin/flotilla bench serve --config "$config" --base-url "$1" \
             --out "$out/$2.json" --plot "$out/$2.png" > /dev/null; }
 
+names=()
 for ingress in $ingresses; do
-  .venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \
-    --max-model-len 2048 --ingress "$ingress" > "$out/flotilla_${ingress}_server.log" 2>&1 &
-  pid=$!
-  wait_up http://127.0.0.1:8200 && bench http://127.0.0.1:8200 "flotilla_$ingress"
-  stop
+  for placement in $placements; do
+    name=flotilla_$ingress; [ "$placement" = actor ] || name=${name}_$placement
+    names+=("$name")
+    .venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \
+      --max-model-len 2048 --ingress "$ingress" --scheduler-placement "$placement" > "$out/${name}_server.log" 2>&1 &
+    pid=$!
+    wait_up http://127.0.0.1:8200 && bench http://127.0.0.1:8200 "$name"
+    stop
+  done
 done
-bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_server.log" 2>&1 &
-pid=$!
-wait_up http://127.0.0.1:8100 && bench http://127.0.0.1:8100 vllm
-stop
-for ingress in $ingresses; do
-  echo "== flotilla --ingress $ingress (new) vs vLLM (base)" >&2
-  .venv/bin/flotilla bench serve --load "$out/flotilla_$ingress.json" --compare "$out/vllm.json" > /dev/null || true
+if [ "${SKIP_VLLM:-0}" = 1 ]; then
+  base=${names[0]}
+else
+  bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_server.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8100 && bench http://127.0.0.1:8100 vllm
+  stop
+  base=vllm
+fi
+for name in "${names[@]}"; do
+  [ "$name" = "$base" ] && continue
+  echo "== $name (new) vs $base (base)" >&2
+  .venv/bin/flotilla bench serve --load "$out/$name.json" --compare "$out/$base.json" > /dev/null || true
 done

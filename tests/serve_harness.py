@@ -58,9 +58,13 @@ class LiveServer:
     """A running app: its base URL and the name of its (single) replica's scheduler actor."""
 
     url: str
-    actor_name: str
+    actor_name: str | None  # None: the scheduler runs in the replica (scheduler_placement=replica)
+    app_name: str = "flotilla"
 
     def stats(self) -> EngineStats:
+        if self.actor_name is None:
+            handle = serve.get_app_handle(self.app_name)
+            return cast(EngineStats, handle.engine_stats.remote().result(timeout_s=TIMEOUT))
         actor = ray.get_actor(self.actor_name, namespace=ACTOR_NAMESPACE)
         return cast(EngineStats, ray.get(actor.stats.remote(), timeout=TIMEOUT))
 
@@ -104,18 +108,24 @@ def wait_healthy(url: str, timeout_s: float = TIMEOUT) -> None:
 
 @contextlib.contextmanager
 def live_server(model_dir: Path, actor_name: str = "scheduler", **app_args: Any) -> Iterator[LiveServer]:
-    """One local Ray cluster and one replica of ``model_dir`` (extra ``app_args`` go to ``build_app``)."""
+    """One local Ray cluster and one replica of ``model_dir`` (extra ``app_args`` go to ``build_app``).
+
+    The replica's scheduler actor is named ``actor_name``, unless ``app_args``
+    place the scheduler in the replica (``scheduler_placement="replica"``).
+    """
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        in_replica = app_args.get("scheduler_placement") == "replica"
+        named = {} if in_replica else {"scheduler_options": {"name": actor_name, "namespace": ACTOR_NAMESPACE}}
         args = {"model": str(model_dir), "served_model_name": "tiny", "num_replicas": 1,
-                "scheduler_options": {"name": actor_name, "namespace": ACTOR_NAMESPACE}, **ENGINE, **app_args}
+                **named, **ENGINE, **app_args}
         serve.run(build_app(args), name="flotilla", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
-        yield LiveServer(url, actor_name)
+        yield LiveServer(url, None if in_replica else actor_name)
     finally:
         serve.shutdown()
         ray.shutdown()

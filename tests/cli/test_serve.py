@@ -28,3 +28,21 @@ def test_bad_cpu_threads_are_refused_before_ray_starts() -> None:
     with pytest.raises(InvalidParameterError) as err:
         build_app(_args("--model", "tiny", "--cpu-threads", "0"))
     assert err.value.param == "cpu_threads"
+
+
+def test_scheduler_placement_reaches_the_app_only_when_not_the_default() -> None:
+    assert "scheduler_placement" not in _args("--model", "tiny")
+    args = _args("--model", "tiny", "--scheduler-placement", "replica")
+    assert args["scheduler_placement"] == "replica"
+    build_app(args)
+
+
+def test_scheduler_actor_options_with_replica_placement_are_refused_before_ray_starts() -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        build_app(_args("--model", "tiny", "--scheduler-placement", "replica", "--num-gpus", "1"))
+    assert err.value.param == "scheduler_options"
+
+
+def test_an_unknown_placement_is_refused_by_the_parser() -> None:
+    with pytest.raises(SystemExit):
+        _args("--model", "tiny", "--scheduler-placement", "shard")

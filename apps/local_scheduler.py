@@ -1,0 +1,73 @@
+"""The replica's scheduler in the replica's own process, called like a ``SchedulerActor`` handle.
+
+With ``scheduler_placement: replica`` an ``LLMServer`` builds its
+``SchedulerService`` here instead of as a separate actor: the engine loop
+runs on the replica's event loop and the forward on its own engine thread,
+so a request's submit and every step's deltas cross no process boundary
+(no Ray call, no pickling). The rest of the replica is unchanged: it calls
+``handle.<method>.remote(...)`` and awaits the result, exactly as with the
+actor, and ``StreamFanout`` long-polls ``next_outputs`` the same way.
+
+Threads: the service's state belongs to one event loop (its docstring says
+why that needs no further locking). ``remote`` runs the method as a task on
+that loop; called from any other thread's loop (Serve may call the stats
+hooks elsewhere) it is handed over with ``run_coroutine_threadsafe``.
+
+Faults: an executor failure is handled inside the service (fail, restart);
+if the replica process dies, the engine dies with it and Serve replaces the
+replica. The shards of a tensor-parallel executor are actors this process
+owns, so they end with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from actors.engine_config import EngineConfig
+from actors.scheduler_actor import SchedulerService
+
+# The service methods a replica calls; anything else is a programming error, not a silent no-op.
+METHODS = ("submit", "abort", "next_outputs", "stats", "health", "shutdown", "generate")
+
+
+class _Method:
+    """``handle.<name>``: ``remote(*args)`` starts the call and returns an awaitable of its result."""
+
+    def __init__(self, owner: LocalScheduler, name: str) -> None:
+        self._owner = owner
+        self._name = name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        fn: Callable[..., Coroutine[Any, Any, Any]] = getattr(self._owner.service, self._name)
+        return self._owner.run(fn(*args, **kwargs))
+
+
+class LocalScheduler:
+    """A ``SchedulerService`` in this process behind the ``SchedulerActor`` handle's call shape."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.service = SchedulerService(config)
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop: the first call's loop becomes the service's
+            self._loop = None
+
+    def __getattr__(self, name: str) -> _Method:
+        if name in METHODS:
+            return _Method(self, name)
+        raise AttributeError(f"{type(self).__name__} has no method {name!r}")
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Awaitable[Any]:
+        """Start ``coro`` on the service's loop now; the result is awaitable on the caller's loop."""
+        current = asyncio.get_running_loop()
+        if self._loop is None or self._loop.is_closed():
+            self._loop = current
+        if current is self._loop:
+            return current.create_task(coro)
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def close(self) -> None:
+        """Synchronous teardown (the replica is being destroyed): stop the engine thread."""
+        self.service.close()

@@ -13,6 +13,13 @@ why that needs no further locking). ``remote`` runs the method as a task on
 that loop; called from any other thread's loop (Serve may call the stats
 hooks elsewhere) it is handed over with ``run_coroutine_threadsafe``.
 
+Threads: Serve reserves one CPU for every replica unless told otherwise,
+and ``actors.cpu_threads`` would turn that reservation into a one-thread
+forward. That default is not a choice of threads, so here the forward takes
+``cpu_threads`` if set, else the replica's reserved whole CPUs when they are
+more than that default one, else every usable core: what the scheduler actor
+(which reserves none) gets.
+
 Faults: an executor failure is handled inside the service (fail, restart);
 if the replica process dies, the engine dies with it and Serve replaces the
 replica. The shards of a tensor-parallel executor are actors this process
@@ -23,13 +30,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
+from actors.cpu_threads import ray_reserved_cpus, usable_cores
 from actors.engine_config import EngineConfig
 from actors.scheduler_actor import SchedulerService
 
 # The service methods a replica calls; anything else is a programming error, not a silent no-op.
 METHODS = ("submit", "abort", "next_outputs", "stats", "health", "shutdown", "generate")
+
+
+SERVE_DEFAULT_REPLICA_CPUS = 1  # Serve's num_cpus for a replica that names none
+
+
+def with_forward_threads(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``cpu_threads`` resolved for a forward in the replica (see the module docstring)."""
+    if config.cpu_threads is not None or config.executor != "local":
+        return config
+    reserved = int(ray_reserved_cpus())
+    return replace(config, cpu_threads=reserved if reserved > SERVE_DEFAULT_REPLICA_CPUS else usable_cores())
 
 
 class _Method:
@@ -48,7 +68,7 @@ class LocalScheduler:
     """A ``SchedulerService`` in this process behind the ``SchedulerActor`` handle's call shape."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.service = SchedulerService(config)
+        self.service = SchedulerService(with_forward_threads(config))
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # built outside a loop: the first call's loop becomes the service's

@@ -130,10 +130,9 @@ def main() -> int:
     args = parser.parse_args()
     serve_options = ["--ingress", args.ingress, "--scheduler-placement", args.scheduler_placement]
     workload = Path(args.workload) if args.workload else Path(tempfile.mkdtemp()) / "workload.jsonl"
-    if args.workload is None:
-        with workload.open("w") as f:
-            subprocess.run([sys.executable, str(ROOT.parent / "shared" / "peers" / "make_workload.py"),
-                            "--seed", "0"], stdout=f, check=True)
+    if args.workload is None:  # make_workload.py writes the file it is given
+        subprocess.run([sys.executable, str(ROOT.parent / "shared" / "peers" / "make_workload.py"),
+                        "--seed", "0", str(workload)], stdout=subprocess.DEVNULL, check=True)
     offline = []
     for _ in range(args.runs):
         tput = _json_cmd([str(BIN / "flotilla"), "bench", "offline", "--model", args.model, "--workload",

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from actors.cpu_threads import usable_cores
 from actors.embedded_models import build_tokenizer
 from actors.engine_config import EngineConfig
 from actors.engine_stats import EngineStats
 from actors.outputs import RequestOutput
 from apps.llm import LLM
-from apps.local_scheduler import LocalScheduler
+from apps.local_scheduler import LocalScheduler, with_forward_threads
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import llama_config, write_checkpoint
@@ -155,3 +157,10 @@ def test_close_stops_the_engine_thread_without_a_loop(config: EngineConfig) -> N
     with pytest.raises(RuntimeError):
         handle.service._thread.submit(lambda: None)  # the engine thread takes no more work
 
+
+
+def test_the_forward_takes_every_core_unless_threads_are_set(config: EngineConfig) -> None:
+    """Serve's default one-CPU reservation of a replica must not make a one-thread forward."""
+    unset = replace(config, cpu_threads=None)
+    assert with_forward_threads(unset).cpu_threads == usable_cores()  # no Ray here: nothing reserved
+    assert with_forward_threads(replace(config, cpu_threads=1)).cpu_threads == 1

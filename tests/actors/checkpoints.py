@@ -23,6 +23,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from actors.embedded_models import build_tokenizer
 from kvcache.attention_backend import AttentionBackend, StepLayout
 
 _COMMON: dict[str, Any] = {
@@ -93,6 +94,13 @@ def write_checkpoint(
     model = build_hf_model(config, seed)
     kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def write_llama_with_tokenizer(folder: Path, seed: int = 0) -> Path:
+    """The tiny seeded Llama (``llama_config()``) with the byte-level tokenizer: a folder an engine serves."""
+    write_checkpoint(folder, llama_config(), seed=seed)
+    build_tokenizer().save_pretrained(folder)
     return folder
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import ray
 
-from actors.embedded_models import build_tokenizer
 from actors.engine_config import EngineConfig
 from actors.outputs import SequenceDelta
 from actors.scheduler_actor import SchedulerActor
@@ -22,7 +21,7 @@ from actors.step_messages import StepMessage
 from apps.llm import LLM
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
-from tests.actors.checkpoints import llama_config, write_checkpoint
+from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.fault_injection import FaultyExecutor, Signals
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +35,7 @@ TIMEOUT = 30.0
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
     """The tiny seeded Llama checkpoint with the byte-level tokenizer."""
-    folder = write_checkpoint(tmp_path_factory.mktemp("sched_actor"), llama_config(), seed=0)
-    build_tokenizer().save_pretrained(folder)
+    folder = write_llama_with_tokenizer(tmp_path_factory.mktemp("sched_actor"))
     return EngineConfig(model=str(folder), **ENGINE)
 
 

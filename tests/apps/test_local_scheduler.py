@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from actors.cpu_threads import usable_cores
-from actors.embedded_models import build_tokenizer
 from actors.engine_config import EngineConfig
 from actors.engine_stats import EngineStats
 from actors.outputs import RequestOutput
@@ -22,7 +21,7 @@ from apps.llm import LLM
 from apps.local_scheduler import LocalScheduler, with_forward_threads
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
-from tests.actors.checkpoints import llama_config, write_checkpoint
+from tests.actors.checkpoints import write_llama_with_tokenizer
 
 ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256,
                           "dtype": "float32", "device": "cpu", "num_kv_pages": 64, "cpu_threads": 1}
@@ -33,8 +32,7 @@ TIMEOUT = 30.0
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
-    folder = write_checkpoint(tmp_path_factory.mktemp("local_sched"), llama_config(), seed=0)
-    build_tokenizer().save_pretrained(folder)
+    folder = write_llama_with_tokenizer(tmp_path_factory.mktemp("local_sched"))
     return EngineConfig(model=str(folder), **ENGINE)
 
 

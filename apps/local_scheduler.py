@@ -82,7 +82,7 @@ class LocalScheduler:
     def run(self, coro: Coroutine[Any, Any, Any]) -> Awaitable[Any]:
         """Start ``coro`` on the service's loop now; the result is awaitable on the caller's loop."""
         current = asyncio.get_running_loop()
-        if self._loop is None or self._loop.is_closed():
+        if self._loop is None:
             self._loop = current
         if current is self._loop:
             return current.create_task(coro)

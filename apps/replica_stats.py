@@ -68,13 +68,15 @@ class ReplicaStats:
 
         return observe
 
-    async def _engine_stats(self) -> EngineStats:
+    async def engine_stats(self) -> EngineStats:
+        """The engine's stats; also for ``DeploymentHandle`` callers (tools, tests), who have no
+        scheduler actor to ask when ``scheduler_placement=replica``."""
         stats: EngineStats = await asyncio.wait_for(self._actor.stats.remote(), STATS_TIMEOUT_S)
         return stats
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Waiting and running requests, KV use and recent TTFT/TPOT P95 (ms) of this replica."""
-        stats = await self._engine_stats()
+        stats = await self.engine_stats()
         window = self._recent_latency or recent_latency_window()  # LLMServer wires it via latency_observer
         now = time.monotonic()
         ttft, tpot = window.ms("ttft", 95, now), window.ms("tpot", 95, now)
@@ -84,6 +86,6 @@ class ReplicaStats:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Requests open on this replica (the router's load figure for replicas it never used)."""
-        stats = await self._engine_stats()
+        stats = await self.engine_stats()
         return {ROUTING_NUM_OPEN: int(self._fanout.num_open), "num_waiting": stats.num_waiting,
                 "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}

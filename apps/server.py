@@ -40,7 +40,6 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.engine_config import EngineConfig
-from actors.engine_stats import EngineStats
 from actors.loader import load_tokenizer, resolve_model_path
 from actors.scheduler_actor import SchedulerActor
 from apps import protocol as p
@@ -155,13 +154,6 @@ class LLMServer(ReplicaStats):
                 self._actor.close()
             else:
                 ray.kill(self._actor, no_restart=True)
-
-    async def engine_stats(self) -> EngineStats:
-        """The engine's stats, for a ``DeploymentHandle`` caller (tools, tests).
-
-        With ``scheduler_placement=replica`` there is no scheduler actor to ask directly.
-        """
-        return await self._engine_stats()
 
     # ----------------------------------------------------------------- routes
     @app.post("/v1/completions")

@@ -9,7 +9,7 @@
 # flotilla_<ingress>.json, vllm.json (+ PNGs) under OUT_DIR and prints a comparison table per
 # ingress (flotilla as "new", vLLM as "base"). PLACEMENT (default actor) is --scheduler-placement;
 # PLACEMENT="actor replica" runs each ingress with each (a replica-placed run is named
-# flotilla_<ingress>_replica). SKIP_VLLM=1 compares the flotilla runs alone, against the first.
+# flotilla_<ingress>_replica).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model_name=${1:-small} out=${2:-.bench/serve} config=${3:-scripts/bench_serve_compare.yaml}
@@ -43,17 +43,11 @@ for ingress in $ingresses; do
     stop
   done
 done
-if [ "${SKIP_VLLM:-0}" = 1 ]; then
-  base=${names[0]}
-else
-  bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_server.log" 2>&1 &
-  pid=$!
-  wait_up http://127.0.0.1:8100 && bench http://127.0.0.1:8100 vllm
-  stop
-  base=vllm
-fi
+bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_server.log" 2>&1 &
+pid=$!
+wait_up http://127.0.0.1:8100 && bench http://127.0.0.1:8100 vllm
+stop
 for name in "${names[@]}"; do
-  [ "$name" = "$base" ] && continue
-  echo "== $name (new) vs $base (base)" >&2
-  .venv/bin/flotilla bench serve --load "$out/$name.json" --compare "$out/$base.json" > /dev/null || true
+  echo "== $name (new) vs vLLM (base)" >&2
+  .venv/bin/flotilla bench serve --load "$out/$name.json" --compare "$out/vllm.json" > /dev/null || true
 done

@@ -18,7 +18,7 @@ from actors.log import get_logger
 from actors.outputs import SequenceDelta, SequenceTiming
 from actors.prompt_ids import text_ids
 from kvcache.page_allocator import PageAllocator
-from scheduling.batch import Batch, StepOutput
+from scheduling.batch import Batch, StepOutput, TokenLogprobs
 from scheduling.errors import InvalidParameterError
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
@@ -220,14 +220,15 @@ class LLMEngine:
         """
         update = self.scheduler.update(batch, output)
         deltas: list[SequenceDelta] = []
-        for req, token, row, text in update.sampled:
+        for req, tokens, row, text in update.sampled:
             seq = self._seqs[req.request_id]
             reason = req.finish_reason  # set by the scheduler's StopRule when this token ended it
             done = reason is not None
-            lp = output.logprobs[row]
+            logprobs: list[TokenLogprobs] | None = None
+            if seq.want_logprobs:
+                logprobs = [lp for lp in output.logprobs[row : row + len(tokens)] if lp is not None]
             deltas.append(SequenceDelta(
-                seq.request_id, seq.index, [token], text,
-                [lp] if seq.want_logprobs and lp is not None else ([] if seq.want_logprobs else None),
+                seq.request_id, seq.index, tokens, text, logprobs,
                 reason, req.num_prompt_tokens, req.num_cached_tokens,
                 None, _timing(req) if done else None,
             ))

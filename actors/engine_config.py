@@ -9,6 +9,7 @@ import torch
 
 from scheduling.errors import InvalidParameterError
 from scheduling.scheduler_config import SchedulerConfig
+from scheduling.spec_config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -67,6 +68,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     cpu_threads: int | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -110,6 +112,8 @@ class EngineConfig:
             not isinstance(self.cpu_threads, int) or isinstance(self.cpu_threads, bool) or self.cpu_threads < 1
         ):
             raise InvalidParameterError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
+        # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self.scheduler_config()  # validates the scheduling limits, naming both values
 
     @classmethod
@@ -129,6 +133,7 @@ class EngineConfig:
             page_size=self.page_size,
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            speculative_config=self.speculative_config,
         )
 
     def resolved_attention_backend(self) -> str:

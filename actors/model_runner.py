@@ -8,13 +8,18 @@ weights and its slice of the KV pool. It knows nothing of requests. With
 
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
+import torch
+import torch.distributed as dist
+
+from actors.draft_runner import DraftRunner
 from actors.engine_config import EngineConfig
 from actors.loader import load_model
 from actors.log import get_logger
 from actors.models.layers import ParallelLinear
 from actors.sampler import Sampler
+from actors.spec_verify import count_accepted, expand_sampling, sample_rows
 from kvcache.attention_backend import AttentionBackend, StepLayout
 from kvcache.kv_pool import (
     KVCapacity,
@@ -25,6 +30,7 @@ from kvcache.kv_pool import (
 )
 from kvcache.torch_attention import TorchPagedAttention
 from scheduling.batch import Batch, StepOutput
+from scheduling.errors import InvalidParameterError
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
@@ -40,6 +46,49 @@ def make_attention_backend(
     name = config.resolved_attention_backend()
     assert name == "torch", f"no attention backend {name!r}"
     return TorchPagedAttention(pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def make_drafter(config: EngineConfig, runner: ModelRunner, *, rank: int, world_size: int) -> DraftRunner | None:
+    """The drafter ``config.speculative_config`` asks for; None without the ``draft`` method.
+
+    A draft model gets a KV pool of the target's page count (same page ids)
+    and a backend of its own; a self-draft uses the target's model and pages.
+    """
+    spec = config.speculative_config
+    if spec is None or not spec.drafts_in_runner:
+        return None
+    target = runner.model
+    if spec.layers is not None:
+        if spec.layers >= target.num_layers:
+            raise InvalidParameterError(
+                "speculative_config",
+                f"layers ({spec.layers}) must be below the target's {target.num_layers} layers",
+            )
+        return DraftRunner(target, runner.attn, num_layers=spec.layers, shares_target_kv=True)
+    assert spec.model is not None
+    draft = load_model(
+        spec.model, dtype=runner.dtype, device=runner.device,
+        max_model_len=config.max_model_len, rank=rank, world_size=world_size,
+    ).model
+    if draft.vocab_size != target.vocab_size:
+        raise InvalidParameterError(
+            "speculative_config",
+            f"the draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens, "
+            f"the target {target.vocab_size}: a draft needs the target's tokenizer",
+        )
+    if runner.device.type == "cpu":
+        _pack_linears(draft)
+    pool = KVPool(
+        num_layers=draft.num_layers, num_pages=runner.capacity.num_pages, page_size=config.page_size,
+        num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim, dtype=runner.dtype, device=runner.device,
+    )
+    if rank == 0:
+        logger.info("draft model %s: KV pool of %d pages, %.1f MiB", spec.model, pool.num_pages,
+                    pool.total_bytes / 2**20)
+    attn = make_attention_backend(
+        config, pool, num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim
+    )
+    return DraftRunner(draft, attn, num_layers=None, shares_target_kv=False)
 
 
 def _default_cpu_pages(config: EngineConfig, device: torch.device, fraction_pages: int) -> int | None:
@@ -59,8 +108,6 @@ def _default_cpu_pages(config: EngineConfig, device: torch.device, fraction_page
 
 def _min_across_ranks(value: int, device: torch.device) -> int:
     """The smallest ``value`` over the process group (a collective: every rank calls it)."""
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
@@ -118,6 +165,7 @@ class ModelRunner:
             config, self.pool, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim
         )
         self.sampler = Sampler(seed=config.seed)
+        self.drafter = make_drafter(config, self, rank=rank, world_size=world_size)
 
     @property
     def num_pages(self) -> int:
@@ -133,29 +181,70 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
-        self.attn.plan(StepLayout(batch.query_lens, batch.context_lens, batch.page_tables))
+        layout = StepLayout(batch.query_lens, batch.context_lens, batch.page_tables)
+        self.attn.plan(layout)
         hidden = self.model(input_ids, positions, self.attn)
+        if self.drafter is not None:
+            self.drafter.catch_up(input_ids, positions, layout)
         if not batch.sample_indices:
             return StepOutput([], [])
         if batch.is_decode_only and len(batch.sample_indices) == batch.num_seqs:
             rows = hidden
         else:
-            ends: list[int] = []
-            total = 0
-            for n in batch.query_lens:
-                total += n
-                ends.append(total - 1)
-            rows = hidden[torch.tensor([ends[i] for i in batch.sample_indices], device=dev)]
+            rows = hidden[torch.tensor(sample_rows(batch), device=dev)]
         # Every rank computes logits: the vocab-parallel head all-gathers them.
         logits = self.model.compute_logits(rows)
-        if self.rank != 0:
+        out = StepOutput([], [])
+        if self.rank == 0:
             # Only rank 0 samples (its tokens are the step's answer); sampling
             # on every rank would only burn time and advance seeded generators.
-            return StepOutput([], [])
-        return self.sampler.sample(
-            logits, batch.sampling_params, batch.num_output_tokens,
-            batch.prompt_token_ids, batch.output_token_ids,
-        )
+            out = self._sample(batch, logits)
+        if batch.num_propose is None:
+            return out
+        return self._propose(batch, out)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> StepOutput:
+        """One token per sampled row; with drafts, also how many of each sequence's drafts are kept."""
+        if batch.draft_token_ids is None:
+            return self.sampler.sample(
+                logits, batch.sampling_params, batch.num_output_tokens,
+                batch.prompt_token_ids, batch.output_token_ids,
+            )
+        out = self.sampler.sample(logits, *expand_sampling(batch))
+        return replace(out, num_accepted=count_accepted(out.token_ids, batch.draft_token_ids))
+
+    def _propose(self, batch: Batch, out: StepOutput) -> StepOutput:
+        """Drafts for each sampled sequence's next step, from its new last token (``batch.num_propose``)."""
+        assert self.drafter is not None and batch.num_propose is not None
+        drafts = batch.draft_token_ids or [[] for _ in batch.sample_indices]
+        accepted = out.num_accepted or [0] * len(drafts)
+        last: list[int] = []
+        if self.rank == 0:
+            row = 0
+            for j, draft in enumerate(drafts):
+                last.append(out.token_ids[row + accepted[j]])
+                row += len(draft) + 1
+        if self.world_size > 1:
+            # Every rank runs the drafter's forward (its collectives need all): rank 0's tokens go to all.
+            last, accepted = _broadcast_lists(last, accepted, len(drafts), self.device)
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        for j, i in enumerate(batch.sample_indices):
+            # The new last token follows the kept drafts: context - (drafts rejected).
+            positions.append(batch.context_lens[i] - len(drafts[j]) + accepted[j])
+            tables.append(batch.page_tables[i])
+        proposals = self.drafter.propose(last, positions, tables, batch.num_propose)
+        return replace(out, draft_token_ids=proposals) if self.rank == 0 else out
+
+
+def _broadcast_lists(
+    first: list[int], second: list[int], n: int, device: torch.device
+) -> tuple[list[int], list[int]]:
+    """Rank 0's two length-``n`` int lists on every rank (a collective: every rank calls it)."""
+    t = torch.tensor(first + second if first else [0] * (2 * n), dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    values: list[int] = t.tolist()
+    return values[:n], values[n:]
 
 
 def _pack_linears(model: torch.nn.Module) -> None:

@@ -28,6 +28,13 @@ class Batch:
       - ``sample_indices`` lists, in increasing order, the sequences whose last
         new token produces a sampled token this step (a chunk that does not end
         its prompt samples nothing); the sampling lists are aligned with it.
+      - Speculative decoding: ``draft_token_ids[j]`` (aligned with
+        ``sample_indices``) are the last ``len(draft_token_ids[j])`` new tokens
+        of sampled sequence j, drafts to verify: it samples at each of its last
+        ``1 + len(draft_token_ids[j])`` tokens. ``num_propose[j]``: draft tokens
+        the runner proposes for sequence j's next step (the ``draft`` method);
+        its pages already cover ``context_lens + num_propose`` tokens.
+        Both are None when nothing drafts this step.
     """
 
     step: int
@@ -45,6 +52,8 @@ class Batch:
     # prompt and the tokens generated so far.
     prompt_token_ids: list[list[int] | None]
     output_token_ids: list[list[int] | None]
+    draft_token_ids: list[list[int]] | None = None
+    num_propose: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -71,7 +80,20 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """What the model runner returns for one ``Batch``: aligned with ``sample_indices``."""
+    """What the model runner returns for one ``Batch``.
+
+    ``token_ids`` and ``logprobs`` hold one row per sampled position: one per
+    sampled sequence, in ``sample_indices`` order, except that a sequence with
+    ``k`` drafts has ``k + 1`` rows (the token sampled at each of its last
+    ``k + 1`` positions). ``num_accepted[j]`` (per sampled sequence; None when
+    the batch has no drafts): how many of sequence j's drafts were kept; its
+    new tokens are then its first ``num_accepted[j] + 1`` rows (the kept drafts,
+    which equal the rows sampled at them, and the token sampled after the last
+    one kept). ``draft_token_ids[j]``: drafts proposed for sequence j's next
+    step (None unless the batch asked for proposals).
+    """
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    num_accepted: list[int] | None = None
+    draft_token_ids: list[list[int]] | None = None

@@ -6,8 +6,9 @@ from scheduling.batch import Batch
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
 
-# (request, tokens computed this step, samples a token this step)
-Scheduled = tuple[Request, int, bool]
+# (request, tokens computed this step, samples a token this step, its draft tokens to
+# verify (the last len() of those tokens), draft tokens the runner proposes after the step)
+Scheduled = tuple[Request, int, bool, list[int], int]
 
 
 def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
@@ -22,10 +23,16 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
     num_out: list[int] = []
     prompts: list[list[int] | None] = []
     outputs: list[list[int] | None] = []
-    for idx, (req, n, samples) in enumerate(scheduled):
+    drafts: list[list[int]] = []
+    propose: list[int] = []
+    for idx, (req, n, samples, draft, num_propose) in enumerate(scheduled):
         start = req.num_computed_tokens
         end = start + n
-        if n == 1:
+        if draft:  # a decode: its last sampled token, then the drafts
+            input_ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
+            input_ids.extend(draft)
+            positions.extend(range(start, end))
+        elif n == 1:
             n_prompt = req.num_prompt_tokens
             input_ids.append(
                 req.prompt_token_ids[start] if start < n_prompt else req.output_token_ids[start - n_prompt]
@@ -46,7 +53,10 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
             penal = p.needs_penalties
             prompts.append(req.prompt_token_ids if penal else None)
             outputs.append(req.output_token_ids[:] if penal else None)
+            drafts.append(draft)
+            propose.append(num_propose)
     return Batch(
         step, input_ids, positions, query_lens, context_lens, page_tables,
         sample_indices, params, num_out, prompts, outputs,
+        drafts if any(drafts) else None, propose if any(propose) else None,
     )

@@ -19,6 +19,7 @@ from scheduling.stop_rule import StopRule
 
 if TYPE_CHECKING:
     from kvcache.radix_cache import RadixNode
+    from scheduling.spec_decode import DraftState
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +68,7 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "last_token_time",
+        "spec",
     )
 
     def __init__(
@@ -100,6 +102,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.spec: DraftState | None = None  # speculative decoding's per-request state
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,8 +35,8 @@ class RequestPages:
         evictable = self.cache.num_evictable_pages if self.cache is not None else 0
         return need <= self.allocator.num_free_pages + evictable
 
-    def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Make ``req.pages`` cover ``num_tokens`` tokens, evicting cached pages if needed.
+    def reserve(self, req: Request, num_tokens: int, *, evict: bool = True) -> bool:
+        """Make ``req.pages`` cover ``num_tokens`` tokens, evicting cached pages if needed (and allowed).
 
         All or nothing: on False no page was added (some may have been evicted).
         """
@@ -44,12 +44,23 @@ class RequestPages:
         if need <= 0:
             return True
         free = self.allocator.num_free_pages
-        if free < need and self.cache is not None:
+        if free < need and self.cache is not None and evict:
             self.cache.evict(need - free)
         if self.allocator.num_free_pages < need:
             return False
         req.pages.extend(self.allocator.allocate(need))
         return True
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free ``req``'s pages past those that hold ``num_tokens`` tokens (rejected drafts' KV).
+
+        Pages past the computed tokens are the request's own (shared prefix
+        pages are full pages of computed tokens), so this frees them.
+        """
+        keep = self.pages_for(num_tokens)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
 
     def take_prefix(self, req: Request, match: PrefixMatch) -> None:
         """Start ``req`` from its cached prefix; ``match.node`` is already locked for it."""

@@ -36,17 +36,19 @@ from scheduling.request import Request, RequestStatus
 from scheduling.request_pages import RequestPages
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.scheduler_stats import SchedulerStats
+from scheduling.spec_decode import SpecDecodePolicy
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerUpdate:
     """What one step changed: the tokens sampled and the requests that ended.
 
-    ``sampled`` holds (request, token id, row in the step's ``StepOutput``,
-    the text the token makes safe to emit: ``StopRule.on_token``'s).
+    ``sampled`` holds (request, its new token ids (one, or more when drafts
+    were kept), the row of the first in the step's ``StepOutput``, the text
+    they make safe to emit: ``StopRule.on_token``'s).
     """
 
-    sampled: list[tuple[Request, int, int, str]]
+    sampled: list[tuple[Request, list[int], int, str]]
     finished: list[Request]
 
 
@@ -73,6 +75,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        spec_config = config.speculative_config
+        self.spec = SpecDecodePolicy(spec_config, self.stats) if spec_config is not None else None
         self._step = 0
         self._in_flight: dict[int, list[Scheduled]] = {}
         # request id -> siblings waiting for its prompt pages (see ``add``)
@@ -136,7 +140,7 @@ class Scheduler:
 
     def requests_in_step(self, step: int) -> list[Request]:
         """The requests a step still in flight was planned for (empty once updated)."""
-        return [req for req, _, _ in self._in_flight.get(step, ())]
+        return [entry[0] for entry in self._in_flight.get(step, ())]
 
     @property
     def has_work(self) -> bool:
@@ -155,6 +159,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         running = self.running
+        spec = self.spec if self.spec is not None and self.spec.step_enabled(len(running)) else None
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
@@ -168,18 +173,44 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, n, req.num_computed_tokens + n == req.num_tokens))
+                samples = req.num_computed_tokens + n == req.num_tokens
+                drafts: list[int] = []
+                propose = 0
+                if spec is not None and samples:
+                    if n == 1:
+                        drafts = spec.drafts(req, min(spec.max_drafts(req), budget - 1))
+                    drafts, propose = self._reserve_spec(spec, req, n, drafts)
+                n += len(drafts)
+                scheduled.append((req, n, samples, drafts, propose))
                 budget -= n
                 i += 1
         if not preempted:
-            budget = self._admit(scheduled, budget)
+            budget = self._admit(scheduled, budget, spec)
         if not scheduled:
             return None
         self._step += 1
         self._in_flight[self._step] = scheduled
         return build_batch(self._step, scheduled)
 
-    def _admit(self, scheduled: list[Scheduled], budget: int) -> int:
+    def _reserve_spec(
+        self, spec: SpecDecodePolicy, req: Request, n: int, drafts: list[int]
+    ) -> tuple[list[int], int]:
+        """Pages for ``req``'s drafts and proposals, from free pages only; else none of either.
+
+        Speculation is opportunistic: it never evicts cached prefixes or
+        preempts a request. Proposing m drafts after the step computes m
+        tokens from the new last one, at most m positions past the step's
+        tokens, and stops short of ``max_model_len``.
+        """
+        end = req.num_computed_tokens + n + len(drafts)  # context after this step
+        propose = min(spec.num_to_propose(req), self.config.max_model_len - end)
+        if not drafts and propose <= 0:
+            return [], 0
+        if self.kv.reserve(req, end + max(propose, 0), evict=False):
+            return drafts, max(propose, 0)
+        return [], 0
+
+    def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None) -> int:
         cfg = self.config
         cache = self.cache
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -219,7 +250,11 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            scheduled.append((req, n, req.num_computed_tokens + n == req.num_tokens))
+            samples = req.num_computed_tokens + n == req.num_tokens
+            propose = 0
+            if spec is not None and samples:
+                _, propose = self._reserve_spec(spec, req, n, [])
+            scheduled.append((req, n, samples, [], propose))
             budget -= n
         return budget
 
@@ -235,26 +270,38 @@ class Scheduler:
         """Apply one step's sampled tokens; end the requests their ``StopRule`` stops."""
         scheduled = self._in_flight.pop(batch.step)
         now = time.monotonic()
-        sampled: list[tuple[Request, int, int, str]] = []
+        sampled: list[tuple[Request, list[int], int, str]] = []
         finished: list[Request] = []
-        row = 0
-        for req, n, samples in scheduled:
+        seq = 0  # index among the step's sampled sequences
+        row = 0  # first output row of the next sampled sequence
+        for req, n, samples, drafts, propose in scheduled:
             if samples:
-                row += 1
+                j, first = seq, row
+                seq += 1
+                row += 1 + len(drafts)
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += n
             if not samples:
+                req.num_computed_tokens += n
                 continue
-            token = output.token_ids[row - 1]
-            req.output_token_ids.append(token)
+            accepted = output.num_accepted[j] if output.num_accepted is not None else 0
+            tokens, text, reason = self._append(req, output.token_ids[first : first + accepted + 1])
+            # The step computed the tokens before its drafts and the drafts kept
+            # (``tokens`` minus the last, which is new); the rest was never valid.
+            req.num_computed_tokens += n - len(drafts) + len(tokens) - 1
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            if len(req.output_token_ids) == 1 and req.request_id in self._forks:
+            if req.request_id in self._forks:
                 self._fork(req)
-            text, reason = req.stop_rule.on_token(token, len(req.output_token_ids))  # the one stop rule
-            sampled.append((req, token, row - 1, text))
+            if drafts or propose:
+                assert self.spec is not None
+                if drafts:
+                    self.spec.record(req, len(drafts), accepted)
+                if output.draft_token_ids is not None:
+                    self.spec.set_proposals(req, output.draft_token_ids[j])
+                self.kv.trim(req, req.num_tokens)  # rejected drafts' pages go back now
+            sampled.append((req, tokens, first, text))
             if reason is None:
                 continue
             req.finish_reason = reason
@@ -265,6 +312,28 @@ class Scheduler:
                 self._end(req, req.finish_reason or "stop")
         self.stats.num_steps += 1
         return SchedulerUpdate(sampled, finished)
+
+    @staticmethod
+    def _append(req: Request, tokens: list[int]) -> tuple[list[int], str, str | None]:
+        """Append ``tokens`` to ``req`` through its ``StopRule`` (the one stop rule), up to the one that stops it.
+
+        Returns the tokens appended, the text they make safe to emit, and the
+        finish reason (None while it runs on).
+        """
+        out = req.output_token_ids
+        if len(tokens) == 1:  # no drafts kept: the common case
+            out.append(tokens[0])
+            text, reason = req.stop_rule.on_token(tokens[0], len(out))
+            return tokens, text, reason
+        texts: list[str] = []
+        reason = None
+        for count, token in enumerate(tokens, 1):
+            out.append(token)
+            piece, reason = req.stop_rule.on_token(token, len(out))
+            texts.append(piece)
+            if reason is not None:
+                return tokens[:count], "".join(texts), reason
+        return tokens, "".join(texts), reason
 
     def _fork(self, src: Request) -> None:
         """Hand ``src``'s full prompt pages to the siblings that waited for them."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduling.errors import InvalidParameterError
+from scheduling.spec_config import SpeculativeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class SchedulerConfig:
     page_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):

@@ -177,10 +177,13 @@ class LlamaModel(nn.Module):
         # One table for all layers; cos/sin are gathered once per step.
         self.rotary_emb = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, num_layers: int | None = None
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
             hidden = layer(hidden, cos, sin, attn)
         return self.norm(hidden)
 
@@ -233,9 +236,15 @@ class LlamaForCausalLM(nn.Module):
         self.scale = args.head_dim**-0.5
         self.vocab_size = args.vocab_size
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Hidden states (T, hidden) after the final norm; ``attn.plan`` was called for this step."""
-        return self.model(input_ids, positions, attn)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """Hidden states (T, hidden) after the final norm; ``attn.plan`` was called for this step.
+
+        ``num_layers`` runs only the first that many decoder layers (then the
+        final norm): the self-draft of speculative decoding.
+        """
+        return self.model(input_ids, positions, attn, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits (N, vocab) for the rows of ``hidden`` that will be sampled."""

@@ -1,0 +1,114 @@
+"""The scheduler's side of speculative decoding: which sequences draft, how many tokens, and what was kept.
+
+Per step, a decoding sequence may carry ``k`` draft tokens after its last
+sampled token; the step computes all ``k + 1`` and samples at each, and the
+longest prefix of drafts the sampler agrees with is kept, plus one token the
+sampler chose (``actors.spec_verify``). Where drafts come from:
+
+- ``ngram``: proposed here, at schedule time, by prompt lookup
+  (``scheduling.ngram_proposer``); no model runs.
+- ``draft``: proposed by the model runner right after it samples (a draft
+  model, or the target's first layers), returned with the step's output and
+  kept on the request (``DraftState.draft_token_ids``) for its next step. The
+  scheduler tells the runner how many to propose per sampled sequence and
+  reserves the pages their KV is written to.
+
+Adaptive: a step with ``disable_by_batch_size`` or more running sequences
+drafts nothing (verifying ``k`` extra tokens per sequence then costs more than
+it saves), and a sequence whose acceptance over its last ``acceptance_window``
+drafted steps fell below ``min_acceptance`` stops drafting for
+``cooldown_tokens`` generated tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduling.ngram_proposer import propose_ngram
+from scheduling.request import Request
+from scheduling.scheduler_stats import SchedulerStats
+from scheduling.spec_config import SpeculativeConfig
+
+
+@dataclass(slots=True)
+class DraftState:
+    """One request's speculation: drafts waiting for its next step and its recent acceptance."""
+
+    draft_token_ids: list[int] = field(default_factory=list)
+    # (drafted, accepted) of its last drafted steps, at most acceptance_window of them.
+    recent: deque[tuple[int, int]] = field(default_factory=deque)
+    # The output length from which it may draft again after a cooldown.
+    resume_at: int = 0
+
+
+class SpecDecodePolicy:
+    """Drafts for the scheduler, within each request's limits, and the adaptive off-switches."""
+
+    def __init__(self, config: SpeculativeConfig, stats: SchedulerStats) -> None:
+        self.config = config
+        self.stats = stats
+
+    def step_enabled(self, num_running: int) -> bool:
+        """False when the batch is big enough that verification costs more than it saves."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
+
+    def _state(self, req: Request) -> DraftState:
+        if req.spec is None:
+            req.spec = DraftState()
+        return req.spec
+
+    def max_drafts(self, req: Request) -> int:
+        """Draft tokens worth verifying for ``req`` now (0 when it is cooling down).
+
+        Every kept draft is an output token and one more is always sampled, so
+        more than ``max_tokens - len(output) - 1`` could never all be used.
+        """
+        num_out = len(req.output_token_ids)
+        state = self._state(req)
+        if num_out < state.resume_at:
+            return 0
+        return max(0, min(self.config.num_speculative_tokens, req.params.max_tokens - num_out - 1))
+
+    def drafts(self, req: Request, limit: int) -> list[int]:
+        """Up to ``limit`` draft tokens to verify in ``req``'s next decode step."""
+        if limit <= 0:
+            return []
+        cfg = self.config
+        if cfg.drafts_in_runner:
+            return self._state(req).draft_token_ids[:limit]
+        return propose_ngram(req.all_token_ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def num_to_propose(self, req: Request) -> int:
+        """Drafts the runner should propose after this step (``draft`` method only).
+
+        The step adds at least one output token, so at most ``max_tokens -
+        len(output) - 2`` drafts could be verified next step.
+        """
+        if not self.config.drafts_in_runner:
+            return 0
+        num_out = len(req.output_token_ids)
+        if num_out + 1 < self._state(req).resume_at:
+            return 0
+        return max(0, min(self.config.num_speculative_tokens, req.params.max_tokens - num_out - 2))
+
+    def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        """Count a verified draft; start a cooldown when the request's recent acceptance is low."""
+        self.stats.record_draft(num_drafted, num_accepted)
+        state = self._state(req)
+        cfg = self.config
+        state.recent.append((num_drafted, num_accepted))
+        if len(state.recent) > cfg.acceptance_window:
+            state.recent.popleft()
+        if len(state.recent) < cfg.acceptance_window:
+            return
+        drafted = sum(d for d, _ in state.recent)
+        accepted = sum(a for _, a in state.recent)
+        if accepted < cfg.min_acceptance * drafted:
+            state.resume_at = len(req.output_token_ids) + cfg.cooldown_tokens
+            state.recent.clear()
+
+    def set_proposals(self, req: Request, draft_token_ids: list[int]) -> None:
+        """Keep the runner's drafts for ``req``'s next step."""
+        self._state(req).draft_token_ids = draft_token_ids

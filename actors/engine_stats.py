@@ -116,6 +116,13 @@ class EngineStats:
     gpu_utilization_perc: float | None = None
     # time.time() when taken, so a reader can turn cpu_seconds_total into a rate.
     wall_time: float = 0.0
+    # Speculative decoding, cumulative (``SchedulerStats.record_draft``; all zero without it):
+    # drafts verified, draft tokens proposed and accepted, and per draft position i the
+    # drafts whose token i was accepted. A tuple, so the frozen snapshot shares no list.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,4 +227,8 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         gpu_memory_total_bytes=mem.gpu_total_bytes,
         gpu_utilization_perc=mem.gpu_utilization_perc,
         wall_time=time.time(),
+        spec_decode_num_drafts=sched.stats.spec_num_drafts,
+        spec_decode_num_draft_tokens=sched.stats.spec_num_draft_tokens,
+        spec_decode_num_accepted_tokens=sched.stats.spec_num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=tuple(sched.stats.spec_num_accepted_tokens_per_pos),
     )

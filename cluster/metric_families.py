@@ -79,6 +79,13 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
     _c("num_preemptions", "Preemptions of running sequences."),
     _c("engine_steps", "Engine steps run (one forward each)."),
     _c("engine_forward_seconds", "Seconds the engine spent in forwards; over engine_steps, seconds per step."),
+    # Speculative decoding, as vLLM names it: acceptance rate is accepted_tokens / draft_tokens,
+    # and accepted_tokens_per_pos{position=i} / num_drafts the chance draft token i survives.
+    _c("spec_decode_num_drafts", "Speculative drafts verified (one per sequence per step that drafted)."),
+    _c("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    _c("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    _c("spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at position (0-based) was accepted.",
+       (*REPLICA_LABELS, "position")),
     _c("process_cpu_seconds", "CPU seconds used by the engine process (rate() gives cores busy)."),
     _g("memory_used_bytes", "Resident memory of the engine process."),
     _g("memory_peak_bytes", "Peak resident memory of the engine process."),

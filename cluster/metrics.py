@@ -12,9 +12,10 @@ The families themselves (names, kinds, labels, buckets) are in ``cluster.metric_
 
 Sources: ``observe`` sees every engine step's deltas (tokens, finish reasons,
 the finished sequences' timings); ``update`` takes an ``EngineStats`` snapshot
-(queue sizes, KV use, cumulative prefix-cache and preemption counters,
-memory). Inter-token latency is measured where the replica receives tokens,
-which is what a client sees. Nothing here raises into the serving path.
+(queue sizes, KV use, cumulative prefix-cache, preemption and
+speculative-decoding counters, memory). Inter-token latency is measured where
+the replica receives tokens, which is what a client sees. Nothing here raises
+into the serving path.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from actors.engine_stats import EngineStats
 from actors.outputs import SequenceDelta
 from cluster.metric_families import (
     REPLICA_FAMILIES,
+    REPLICA_LABELS,
     Family,
     family,
 )
@@ -122,12 +124,12 @@ class ReplicaMetrics:
             else:
                 self._prom[f.name] = Histogram(f.exposition_name, f.help, f.labels, buckets=f.buckets,
                                                registry=self.registry)
-            if f.name not in _GPU and f.name != "request_success":
+            if f.name not in _GPU and f.labels == REPLICA_LABELS:  # more labels: children as values appear
                 self._prom[f.name].labels(**self._tags)  # a zero sample before any traffic
         for reason in _FINISH_REASONS:
             self._prom["request_success"].labels(**self._tags, finished_reason=reason)
         self._last_token_at: dict[tuple[str, int], float] = {}  # sequence -> when its last token came
-        self._seen: dict[str, float] = {}  # cumulative engine counters as last read
+        self._seen: dict[tuple[str, ...], float] = {}  # (family, extra label values) -> counter as last read
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------- recording
@@ -146,13 +148,14 @@ class ReplicaMetrics:
         if self._ray and to_ray:
             _ray_record(f, value, {**self._tags, **extra})
 
-    def _advance(self, name: str, total: float) -> None:
+    def _advance(self, name: str, total: float, **extra: str) -> None:
         """Add what a cumulative engine counter gained since last read (a restarted engine starts over)."""
-        last = self._seen.get(name, 0.0)
+        key = (name, *extra.values())
+        last = self._seen.get(key, 0.0)
         gained = total - last if total >= last else total
-        self._seen[name] = total
+        self._seen[key] = total
         if gained > 0:
-            self._record(name, gained)
+            self._record(name, gained, to_ray=True, **extra)  # named: mypy then reads extra as labels only
 
     def observe(self, deltas: list[SequenceDelta]) -> None:
         """Every delta the replica receives (finishing ones carry timings)."""
@@ -211,6 +214,11 @@ class ReplicaMetrics:
         self._advance("engine_steps", stats.num_steps)
         self._advance("engine_forward_seconds", stats.forward_seconds_total)
         self._advance("process_cpu_seconds", stats.cpu_seconds_total)
+        self._advance("spec_decode_num_drafts", stats.spec_decode_num_drafts)
+        self._advance("spec_decode_num_draft_tokens", stats.spec_decode_num_draft_tokens)
+        self._advance("spec_decode_num_accepted_tokens", stats.spec_decode_num_accepted_tokens)
+        for pos, accepted in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            self._advance("spec_decode_num_accepted_tokens_per_pos", accepted, position=str(pos))
         self._record("memory_used_bytes", stats.memory_used_bytes)
         self._record("memory_peak_bytes", stats.memory_peak_bytes)
         self._record("memory_limit_bytes", stats.memory_limit_bytes)

@@ -8,15 +8,28 @@ import re
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.engine_stats import EngineStats, memory_usage
+from actors.engine_stats import EngineStats, LatencyWindow, memory_usage, snapshot
 from actors.outputs import SequenceDelta, SequenceTiming
 from cluster import metrics as m
-from cluster.metric_families import CLUSTER_FAMILIES, REPLICA_FAMILIES, exported_sample_names
+from cluster.metric_families import (
+    CLUSTER_FAMILIES,
+    REPLICA_FAMILIES,
+    Family,
+    exported_sample_names,
+)
 from cluster.metrics import ReplicaMetrics
+from kvcache.page_allocator import PageAllocator
+from scheduling.scheduler import Scheduler
+from scheduling.scheduler_config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from actors.engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ray_configs" / "grafana_dashboard.json"
@@ -36,15 +49,15 @@ def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
     return out
 
 
-def stats(**kw: float | int | None) -> EngineStats:
-    base: dict[str, float | int | None] = dict(
+def stats(**kw: Any) -> EngineStats:
+    base: dict[str, Any] = dict(
         num_waiting=2, num_running=3, num_unfinished_requests=5, num_kv_pages_total=100,
         num_kv_pages_free=50, num_kv_pages_used=50, num_kv_pages_evictable=10, num_kv_pages_locked=4,
         prefix_cache_hit_rate=0.25, num_preemptions=1, num_steps=7, ttft_ms_p50=1.0, ttft_ms_p95=2.0,
         tpot_ms_p50=1.0, tpot_ms_p95=2.0, prefix_cache_queries_tokens=400, prefix_cache_hits_tokens=100,
         memory_used_bytes=1000, memory_peak_bytes=1500, memory_limit_bytes=8000, cpu_seconds_total=2.5)
     base.update(kw)
-    return EngineStats(**base)  # type: ignore[arg-type]
+    return EngineStats(**base)
 
 
 class Clock:
@@ -119,6 +132,62 @@ def test_engine_stats_become_gauges_and_counters() -> None:
     assert s[("flotilla:prefix_cache_queries_total", ())] == 550
     assert s[("flotilla:gpu_utilization_perc", ())] == 55.0
     assert s[("flotilla:gpu_memory_total_bytes", ())] == 9
+
+
+def _spec_snapshot(scheduler: Scheduler, allocator: PageAllocator) -> EngineStats:
+    """``snapshot`` of an engine that is only a real scheduler (no model: the counters are all it reads here)."""
+    engine = SimpleNamespace(scheduler=scheduler, allocator=allocator, num_unfinished_requests=0,
+                             forward_seconds_total=0.0)
+    return snapshot(cast("LLMEngine", engine), LatencyWindow())
+
+
+def test_spec_decode_counters_go_from_the_scheduler_to_the_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
+    to_ray: list[tuple[str, float, dict[str, str]]] = []
+
+    def ray_record(f: Family, value: float, tags: dict[str, str]) -> None:
+        to_ray.append((f.name, value, tags))
+
+    monkeypatch.setattr(m, "_ray_record", ray_record)
+    allocator = PageAllocator(8)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=32, max_num_seqs=8, max_num_batched_tokens=32), allocator)
+    rm = ReplicaMetrics("tiny", "r1", export_to_ray=True)
+    s = samples(rm.render())
+    assert s[("flotilla:spec_decode_num_drafts_total", ())] == 0  # a zero sample before any draft
+    assert not any(name.startswith("flotilla:spec_decode_num_accepted_tokens_per_pos") for name, _ in s)
+
+    for num_draft, num_accepted in ((3, 2), (3, 0), (2, 2)):
+        scheduler.stats.record_draft(num_draft, num_accepted)
+    first = _spec_snapshot(scheduler, allocator)
+    assert (first.spec_decode_num_drafts, first.spec_decode_num_draft_tokens,
+            first.spec_decode_num_accepted_tokens, first.spec_decode_num_accepted_tokens_per_pos) == (3, 8, 4, (2, 2, 0))
+    rm.update(first)
+    scheduler.stats.record_draft(3, 3)
+    rm.update(_spec_snapshot(scheduler, allocator))
+    rm.update(_spec_snapshot(scheduler, allocator))  # nothing new: nothing added
+
+    s = samples(rm.render())
+    assert s[("flotilla:spec_decode_num_drafts_total", ())] == 4
+    assert s[("flotilla:spec_decode_num_draft_tokens_total", ())] == 11
+    assert s[("flotilla:spec_decode_num_accepted_tokens_total", ())] == 7
+    per_pos = {labels: v for (name, labels), v in s.items()
+               if name == "flotilla:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {(("position", "0"),): 3, (("position", "1"),): 3, (("position", "2"),): 1}
+    # Ray gets the same increments, the position as a tag.
+    ray_per_pos: dict[str, float] = {}
+    for name, value, tags in to_ray:
+        if name == "spec_decode_num_accepted_tokens_per_pos":
+            assert tags.keys() == {"model_name", "replica", "position"}
+            ray_per_pos[tags["position"]] = ray_per_pos.get(tags["position"], 0.0) + value
+    assert ray_per_pos == {"0": 3, "1": 3, "2": 1}
+    assert sum(v for name, v, _ in to_ray if name == "spec_decode_num_draft_tokens") == 11
+
+    # A restarted engine counts from zero again, per position too.
+    rm.update(stats(spec_decode_num_drafts=1, spec_decode_num_draft_tokens=3, spec_decode_num_accepted_tokens=1,
+                    spec_decode_num_accepted_tokens_per_pos=(1, 0, 0)))
+    s = samples(rm.render())
+    assert s[("flotilla:spec_decode_num_drafts_total", ())] == 5
+    assert s[("flotilla:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == 4
+    assert s[("flotilla:spec_decode_num_accepted_tokens_per_pos_total", (("position", "2"),))] == 1
 
 
 def test_reporting_task_refreshes_from_the_engine() -> None:

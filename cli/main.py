@@ -9,6 +9,10 @@
                                       load generator for any OpenAI-compatible server (JSON, PNG)
   flotilla bench autoscale [--policy flotilla|default]
                                       load profile against an elastic app (JSON, PNG)
+  flotilla bench spec --model M --workload W.jsonl --speculative-config JSON
+                                      a workload without and with speculative decoding (JSON)
+  flotilla bench spec-workloads --out-dir DIR
+                                      write the edit / questions chat workloads of bench spec
 
 Imports: the parser modules are light and imported here; each benchmark's
 runner (torch, Ray, the app) is imported when its subcommand runs, so that
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 
 from cli.bench.autoscale_cli import add_bench_autoscale_parser
 from cli.bench.serve_cli import add_bench_serve_parser
+from cli.bench.spec_cli import add_bench_spec_parsers
 from cli.plan.cli import add_plan_parser
 from cli.serve import add_serve_parser
 from scheduling.errors import InvalidParameterError
@@ -85,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     add_bench_serve_parser(bench_sub)
     add_bench_autoscale_parser(bench_sub)
+    add_bench_spec_parsers(bench_sub)
     sched = bench_sub.add_parser("scheduler", help="schedule()+update() and match_prefix cost")
     sched.add_argument("--sizes", default="64,256,1024", help="running decodes to measure, comma-separated")
     sched.add_argument("--steps", type=int, default=200, help="timed steps per size")

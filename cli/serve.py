@@ -51,6 +51,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "set it when several replicas share a node)")
     sp.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="shards per replica (implies the Ray executor when > 1)")
+    sp.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                         'or \'{"method": "draft", "layers": 8, "num_speculative_tokens": 3}\' '
+                         "(docs/speculative.md)")
     sp.add_argument("--num-gpus", type=float, default=0.0,
                     help="GPUs for each replica's scheduler actor (the in-process executor)")
     sp.add_argument("--api-key", action="append", default=None, dest="api_keys", metavar="KEY",
@@ -117,7 +121,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_app`` arguments from the parsed command line (unset engine options keep defaults)."""
     out: dict[str, Any] = {"model": args.model, "num_replicas": args.replicas}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_pages",
-                 "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads"):
+                 "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads",
+                 "speculative_config"):
         value = getattr(args, name)
         if value is not None:
             out[name] = value

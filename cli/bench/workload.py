@@ -1,6 +1,15 @@
-"""The JSONL workload of the offline benchmarks: ``../shared/peers/make_workload.py``'s format.
+"""The JSONL workload of the offline benchmarks: ``../shared/peers/make_workload.py``'s format, or chats.
 
-One request a line, ``{"prompt_token_ids": [...], "max_tokens": N}``.
+One request a line, either token ids or a conversation:
+
+    {"prompt_token_ids": [...], "max_tokens": N}
+    {"messages": [{"role": "user", "content": "..."}], "max_tokens": N}
+
+Token-id lines suit any model (the peers' format); chat lines suit a trained
+model whose replies matter (``flotilla bench spec``: what a draft can copy
+depends on the text). Chat lines need the model's tokenizer, so they are
+read with ``chat=True`` and turned into ids by ``workload_prompt_ids``;
+readers that take only ids keep the default and get a clear error instead.
 """
 
 from __future__ import annotations
@@ -9,11 +18,62 @@ import json
 from pathlib import Path
 from typing import Any
 
+from actors.prompt_ids import chat_ids
 from scheduling.errors import InvalidParameterError
 
+CHAT_ROLES = ("system", "user", "assistant")
 
-def read_workload(path: str | Path) -> list[dict[str, Any]]:
-    """Parse and check a JSONL workload; a bad line is an error naming its number."""
+
+def is_chat(req: dict[str, Any]) -> bool:
+    """True for a chat line (``messages``), False for a token-id line."""
+    return "messages" in req
+
+
+def _check_messages(messages: Any) -> str | None:
+    """Why ``messages`` is not a conversation, or None when it is one."""
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            return f"messages[{i}] must be an object with exactly 'role' and 'content'"
+        if m["role"] not in CHAT_ROLES:
+            return f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"
+        if not isinstance(m["content"], str) or not m["content"]:
+            return f"messages[{i}].content must be a non-empty string"
+    return None
+
+
+def _parse_line(obj: Any, *, chat: bool) -> dict[str, Any]:
+    """One request of the workload; raises ValueError with the reason (the caller adds the line)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"a line must be a JSON object, got {type(obj).__name__}")
+    has_ids, has_chat = "prompt_token_ids" in obj, "messages" in obj
+    if has_ids == has_chat:
+        raise ValueError("need exactly one of 'prompt_token_ids' or 'messages'")
+    max_tokens = obj.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"need max_tokens >= 1, got {max_tokens!r}")
+    if has_chat:
+        if not chat:
+            raise ValueError("a chat line ('messages'); this benchmark takes only 'prompt_token_ids'")
+        why = _check_messages(obj["messages"])
+        if why is not None:
+            raise ValueError(why)
+        return {"messages": obj["messages"], "max_tokens": max_tokens}
+    ids = obj["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise ValueError("need a non-empty prompt_token_ids list")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError("prompt_token_ids must be integers >= 0")
+    return {"prompt_token_ids": ids, "max_tokens": max_tokens}
+
+
+def read_workload(path: str | Path, *, chat: bool = False) -> list[dict[str, Any]]:
+    """Parse and check a JSONL workload; a bad line is an error naming its number.
+
+    Each request is a dict with ``max_tokens`` and either ``prompt_token_ids``
+    or (only with ``chat=True``) ``messages``.
+    """
     p = Path(path)
     if not p.is_file():
         raise InvalidParameterError("workload", f"{p} is not a file")
@@ -22,13 +82,14 @@ def read_workload(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-            ids, max_tokens = obj["prompt_token_ids"], obj["max_tokens"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            reqs.append(_parse_line(json.loads(line), chat=chat))
+        except ValueError as e:  # json.JSONDecodeError is a ValueError too
             raise InvalidParameterError("workload", f"{p}:{lineno}: {e}") from e
-        if not isinstance(ids, list) or not ids or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise InvalidParameterError("workload", f"{p}:{lineno}: need a non-empty prompt and max_tokens >= 1")
-        reqs.append({"prompt_token_ids": ids, "max_tokens": max_tokens})
     if not reqs:
         raise InvalidParameterError("workload", f"{p} holds no requests")
     return reqs
+
+
+def workload_prompt_ids(reqs: list[dict[str, Any]], tokenizer: Any) -> list[list[int]]:
+    """Each request's prompt token ids: as given, or the conversation through the chat template."""
+    return [chat_ids(tokenizer, r["messages"]) if is_chat(r) else list(r["prompt_token_ids"]) for r in reqs]

@@ -218,22 +218,11 @@ class Scheduler:
             match: PrefixMatch | None = None
             if cache is not None and req.num_computed_tokens == 0:
                 match = cache.match_prefix(req.all_token_ids, req.namespace)  # read-only
+            fit = self._fit(req, match, budget)
+            if fit is None:
+                break
+            match, n = fit
             start = req.num_computed_tokens if match is None else match.num_tokens
-            remaining = req.num_tokens - start
-            n = min(remaining, budget)
-            if n < remaining and not cfg.enable_chunked_prefill:
-                break
-            have = len(req.pages)
-            if match is not None:
-                assert cache is not None
-                cache.lock(match.node)  # first, so the fit check does not count it evictable
-                have = len(match.pages)
-            if not self.kv.may_fit(self.kv.pages_for(start + n) - have):
-                # No eviction could make room: undo the lock, evict nothing.
-                if match is not None:
-                    assert cache is not None
-                    cache.unlock(match.node)
-                break
             if match is not None:
                 self.kv.take_prefix(req, match)
             if not self.kv.reserve(req, start + n):
@@ -257,6 +246,33 @@ class Scheduler:
             scheduled.append((req, n, samples, [], propose))
             budget -= n
         return budget
+
+    def _fit(self, req: Request, match: PrefixMatch | None, budget: int) -> tuple[PrefixMatch | None, int] | None:
+        """The prefix to start ``req`` from and the tokens to compute this step, if its pages could be had.
+
+        The match's node comes back locked. A match that blocks its own
+        admission (its node holds pages the request would have to evict, say
+        one shared token of a long cached key) is dropped for a fresh start.
+        None: nothing fits, and nothing is locked or evicted.
+        """
+        cache = self.cache
+        for candidate in (match, None) if match is not None else (None,):
+            start = req.num_computed_tokens if candidate is None else candidate.num_tokens
+            remaining = req.num_tokens - start
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                return None
+            have = len(req.pages)
+            if candidate is not None:
+                assert cache is not None
+                cache.lock(candidate.node)  # first, so the fit check does not count it evictable
+                have = len(candidate.pages)
+            if self.kv.may_fit(self.kv.pages_for(start + n) - have):
+                return candidate, n
+            if candidate is not None:
+                assert cache is not None
+                cache.unlock(candidate.node)  # no eviction could make room with it
+        return None
 
     def _count_prefix_hit(self, req: Request, num_hit_tokens: int) -> None:
         # Once per request, at its first admission (a preempted one re-matches

@@ -113,3 +113,26 @@ def test_eviction_frees_pages_before_preempting_despite_shared_ones() -> None:
     for rid, prompt, n in (("g#0", g, 1), ("g#1", g, 12), ("x", x, 1), ("y", y, 4)):
         assert run.finished[rid].output_token_ids == reference_generate(prompt, n, VOCAB)
     assert_pool_clean(run)
+
+
+def test_a_prefix_match_that_blocks_its_own_admission_is_dropped() -> None:
+    # A cached 15-token key holds 15 of 24 pages, another 7, 2 are free; a request
+    # sharing only the first token of the long key needs 10 more pages. Starting from
+    # the match would lock the whole long key, leaving 9 to be had: it starts afresh
+    # instead, evicting what it needs, and is not stuck.
+    cfg = SchedulerConfig(max_model_len=24, max_num_seqs=2, max_num_batched_tokens=32, page_size=1)
+    run = make(cfg, num_pages=24)
+    s = run.scheduler
+    assert s.cache is not None
+    cached = list(range(1, 17))
+    s.add(req("c", cached[:15], 1))
+    drain(run)
+    s.add(req("hog", [90] * 7, 1))
+    drain(run)
+    assert s.allocator.num_free_pages == 2
+    prompt = [1] + [50 + j for j in range(10)]
+    s.add(req("b", prompt, 1))
+    assert step(run) is not None  # admitted at once (it was never admitted before)
+    drain(run)
+    assert run.finished["b"].output_token_ids == reference_generate(prompt, 1, VOCAB)
+    assert_pool_clean(run)

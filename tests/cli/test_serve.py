@@ -46,3 +46,14 @@ def test_scheduler_actor_options_with_replica_placement_are_refused_before_ray_s
 def test_an_unknown_placement_is_refused_by_the_parser() -> None:
     with pytest.raises(SystemExit):
         _args("--model", "tiny", "--scheduler-placement", "shard")
+
+
+def test_speculative_config_reaches_the_engine_and_bad_json_is_refused_before_ray_starts() -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    args = _args("--model", "tiny", "--speculative-config", spec)
+    assert args["speculative_config"] == spec
+    build_app(args)
+    assert "speculative_config" not in _args("--model", "tiny")
+    with pytest.raises(InvalidParameterError) as err:
+        build_app(_args("--model", "tiny", "--speculative-config", '{"method": "ngram"}'))
+    assert err.value.param == "speculative_config"

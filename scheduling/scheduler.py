@@ -159,7 +159,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         running = self.running
-        spec = self.spec if self.spec is not None and self.spec.step_enabled(len(running)) else None
+        spec = self.spec if self.spec is not None and self.spec.start_step(len(running)) else None
         preempted = False
         i = 0
         while i < len(running) and budget > 0:

@@ -12,14 +12,19 @@ sequence per step, which the target model then verifies in one forward:
   with the target's own first N layers and its head (a self-draft: it shares
   the target's KV pages for those layers, so it needs no memory of its own).
 
-Adaptive off-switches (the engine never speculates where it does not pay):
+Adaptive off-switches (the engine never speculates where it does not pay;
+the defaults are measured, see docs/speculative.md):
 
-- ``disable_by_batch_size``: a step with at least this many running sequences
-  does not speculate (verification of K extra tokens per sequence then costs
-  more than it saves; the default is measured, see docs/speculative.md).
 - ``min_acceptance``: a sequence whose drafts were accepted at a rate below it,
   over its last ``acceptance_window`` drafted steps, stops speculating for
   ``cooldown_tokens`` generated tokens, then tries again.
+- ``busy_batch_size`` and ``busy_min_acceptance``: in a step with at least
+  ``busy_batch_size`` running sequences the bar is ``busy_min_acceptance``
+  instead. Verifying a draft token costs more in a big batch (the forward
+  turns compute-bound), so only sequences whose drafts are mostly right keep
+  drafting there.
+- ``disable_by_batch_size``: a step with at least this many running sequences
+  does not speculate at all; None never switches off by batch size.
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     model: str | None = None
     layers: int | None = None
-    disable_by_batch_size: int | None = 8
+    disable_by_batch_size: int | None = None
     min_acceptance: float = 0.25
+    busy_batch_size: int = 16
+    busy_min_acceptance: float = 0.6
     acceptance_window: int = 4
     cooldown_tokens: int = 32
 
@@ -77,8 +84,11 @@ class SpeculativeConfig:
                 _positive("layers", self.layers)
         if self.disable_by_batch_size is not None:
             _positive("disable_by_batch_size", self.disable_by_batch_size)
-        if not (isinstance(self.min_acceptance, (int, float)) and 0.0 <= self.min_acceptance <= 1.0):
-            raise InvalidParameterError(_PARAM, f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
+        for name in ("min_acceptance", "busy_min_acceptance"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0):
+                raise InvalidParameterError(_PARAM, f"{name} must be in [0, 1], got {value!r}")
+        _positive("busy_batch_size", self.busy_batch_size)
         _positive("acceptance_window", self.acceptance_window)
         _positive("cooldown_tokens", self.cooldown_tokens)
 

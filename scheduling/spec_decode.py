@@ -13,11 +13,12 @@ sampler chose (``actors.spec_verify``). Where drafts come from:
   scheduler tells the runner how many to propose per sampled sequence and
   reserves the pages their KV is written to.
 
-Adaptive: a step with ``disable_by_batch_size`` or more running sequences
-drafts nothing (verifying ``k`` extra tokens per sequence then costs more than
-it saves), and a sequence whose acceptance over its last ``acceptance_window``
-drafted steps fell below ``min_acceptance`` stops drafting for
-``cooldown_tokens`` generated tokens.
+Adaptive: a sequence whose acceptance over its last ``acceptance_window``
+drafted steps fell below the bar stops drafting for ``cooldown_tokens``
+generated tokens; the bar is ``min_acceptance``, or ``busy_min_acceptance`` in
+a step with ``busy_batch_size`` or more running sequences (a draft token costs
+more to verify there). A step with ``disable_by_batch_size`` or more running
+sequences drafts nothing.
 """
 
 from __future__ import annotations
@@ -48,11 +49,14 @@ class SpecDecodePolicy:
     def __init__(self, config: SpeculativeConfig, stats: SchedulerStats) -> None:
         self.config = config
         self.stats = stats
+        self._min_acceptance = config.min_acceptance  # the bar of the step being planned
 
-    def step_enabled(self, num_running: int) -> bool:
-        """False when the batch is big enough that verification costs more than it saves."""
-        limit = self.config.disable_by_batch_size
-        return limit is None or num_running < limit
+    def start_step(self, num_running: int) -> bool:
+        """Set the step's acceptance bar from its batch size; False when the step drafts nothing."""
+        cfg = self.config
+        busy = num_running >= cfg.busy_batch_size
+        self._min_acceptance = cfg.busy_min_acceptance if busy else cfg.min_acceptance
+        return cfg.disable_by_batch_size is None or num_running < cfg.disable_by_batch_size
 
     def _state(self, req: Request) -> DraftState:
         if req.spec is None:
@@ -105,7 +109,7 @@ class SpecDecodePolicy:
             return
         drafted = sum(d for d, _ in state.recent)
         accepted = sum(a for _, a in state.recent)
-        if accepted < cfg.min_acceptance * drafted:
+        if accepted < self._min_acceptance * drafted:
             state.resume_at = len(req.output_token_ids) + cfg.cooldown_tokens
             state.recent.clear()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.spec_config import SpeculativeConfig
 from tests.scheduling.driver import VOCAB, Run, assert_pool_clean, drain, make, step
-from tests.scheduling.fake_runner import FakeModelRunner, next_token, reference_generate
+from tests.scheduling.fake_runner import next_token, reference_generate
 
 NGRAM = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=None)
 DRAFT = SpeculativeConfig("draft", 3, layers=1, disable_by_batch_size=None)
@@ -158,6 +159,25 @@ def test_a_request_whose_drafts_fail_cools_down() -> None:
     assert drafted_at[:2] == [1, 2]
     assert drafted_at[2] >= 2 + 6
     assert req.output_token_ids == reference_generate([7, 8, 9], 20, VOCAB)
+    assert_pool_clean(run)
+
+
+@pytest.mark.parametrize(("busy_batch_size", "cools_down"), [(2, True), (3, False)])
+def test_a_busy_step_raises_the_acceptance_bar(busy_batch_size: int, cools_down: bool) -> None:
+    # The fake drafter is right 2 times in 3: above the normal bar, below the busy one.
+    spec = SpeculativeConfig("draft", 3, layers=1, min_acceptance=0.25, busy_batch_size=busy_batch_size,
+                             busy_min_acceptance=0.9, acceptance_window=2, cooldown_tokens=100)
+    run = make(config(spec), num_pages=64)
+    reqs = [add(run, f"r{i}", [4 + i, 5, 6], 40) for i in range(2)]
+    drafts_late = 0
+    while run.scheduler.has_work:
+        batch = step(run)
+        assert batch is not None
+        if batch.draft_token_ids is not None and min(len(r.output_token_ids) for r in reqs) >= 12:
+            drafts_late += 1
+    assert (drafts_late == 0) is cools_down
+    for r in reqs:
+        assert r.output_token_ids == reference_generate(r.prompt_token_ids, 40, VOCAB)
     assert_pool_clean(run)
 
 

@@ -142,6 +142,30 @@ def test_tp2_matches_tp1_and_hf(ray_cluster: None, oracle_case: tuple[Path, list
         llm.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+def test_tp2_with_speculation_matches_hf(
+    ray_cluster: None, llama_case: tuple[Path, list[list[int]]], method: str
+) -> None:
+    """Drafts verified across two ranks; a drafter's forward runs on both (rank 0's tokens broadcast)."""
+    folder, expected = llama_case
+    spec: dict[str, Any] = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "self_draft": {"method": "draft", "layers": 1, "num_speculative_tokens": 3},
+        "draft_model": {"method": "draft", "model": str(folder), "num_speculative_tokens": 3},
+    }[method]
+    llm = LLM(str(folder), tensor_parallel_size=2, executor="ray", **ENGINE,
+              speculative_config={**spec, "disable_by_batch_size": None})
+    try:
+        assert _tokens(llm) == expected
+        stats = llm.engine.scheduler.stats
+        assert stats.spec_num_drafts > 0
+        if method == "draft_model":  # the target drafting for itself: every greedy draft is right
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        _assert_pool_clean(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_killed_shard_fails_the_next_step_and_restart_recovers(
     ray_cluster: None, llama_case: tuple[Path, list[list[int]]]
 ) -> None:

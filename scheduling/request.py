@@ -120,6 +120,27 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
+    def append_output(self, tokens: list[int]) -> tuple[list[int], str, str | None]:
+        """Append sampled ``tokens`` through the ``StopRule`` (the one stop rule), up to the one that stops it.
+
+        Returns the tokens appended, the text they make safe to emit, and the
+        finish reason (None while the sequence runs on).
+        """
+        out = self.output_token_ids
+        if len(tokens) == 1:  # one new token (no drafts kept): the common case
+            out.append(tokens[0])
+            text, reason = self.stop_rule.on_token(tokens[0], len(out))
+            return tokens, text, reason
+        texts: list[str] = []
+        reason = None
+        for count, token in enumerate(tokens, 1):
+            out.append(token)
+            piece, reason = self.stop_rule.on_token(token, len(out))
+            texts.append(piece)
+            if reason is not None:
+                return tokens[:count], "".join(texts), reason
+        return tokens, "".join(texts), reason
+
     def set_status(self, status: RequestStatus) -> None:
         """Move along the lifecycle; anything else is a scheduler bug."""
         if status not in _ALLOWED[self.status]:

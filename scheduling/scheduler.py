@@ -76,7 +76,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         spec_config = config.speculative_config
-        self.spec = SpecDecodePolicy(spec_config, self.stats) if spec_config is not None else None
+        self.spec = (
+            SpecDecodePolicy(spec_config, self.stats, config.max_model_len) if spec_config is not None else None
+        )
         self._step = 0
         self._in_flight: dict[int, list[Scheduled]] = {}
         # request id -> siblings waiting for its prompt pages (see ``add``)
@@ -179,7 +181,7 @@ class Scheduler:
                 if spec is not None and samples:
                     if n == 1:
                         drafts = spec.drafts(req, min(spec.max_drafts(req), budget - 1))
-                    drafts, propose = self._reserve_spec(spec, req, n, drafts)
+                    drafts, propose = spec.reserve(self.kv, req, n, drafts)
                 n += len(drafts)
                 scheduled.append((req, n, samples, drafts, propose))
                 budget -= n
@@ -191,24 +193,6 @@ class Scheduler:
         self._step += 1
         self._in_flight[self._step] = scheduled
         return build_batch(self._step, scheduled)
-
-    def _reserve_spec(
-        self, spec: SpecDecodePolicy, req: Request, n: int, drafts: list[int]
-    ) -> tuple[list[int], int]:
-        """Pages for ``req``'s drafts and proposals, from free pages only; else none of either.
-
-        Speculation is opportunistic: it never evicts cached prefixes or
-        preempts a request. Proposing m drafts after the step computes m
-        tokens from the new last one, at most m positions past the step's
-        tokens, and stops short of ``max_model_len``.
-        """
-        end = req.num_computed_tokens + n + len(drafts)  # context after this step
-        propose = min(spec.num_to_propose(req), self.config.max_model_len - end)
-        if not drafts and propose <= 0:
-            return [], 0
-        if self.kv.reserve(req, end + max(propose, 0), evict=False):
-            return drafts, max(propose, 0)
-        return [], 0
 
     def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None) -> int:
         cfg = self.config
@@ -242,7 +226,7 @@ class Scheduler:
             samples = req.num_computed_tokens + n == req.num_tokens
             propose = 0
             if spec is not None and samples:
-                _, propose = self._reserve_spec(spec, req, n, [])
+                _, propose = spec.reserve(self.kv, req, n, [])
             scheduled.append((req, n, samples, [], propose))
             budget -= n
         return budget
@@ -301,7 +285,7 @@ class Scheduler:
                 req.num_computed_tokens += n
                 continue
             accepted = output.num_accepted[j] if output.num_accepted is not None else 0
-            tokens, text, reason = self._append(req, output.token_ids[first : first + accepted + 1])
+            tokens, text, reason = req.append_output(output.token_ids[first : first + accepted + 1])
             # The step computed the tokens before its drafts and the drafts kept
             # (``tokens`` minus the last, which is new); the rest was never valid.
             req.num_computed_tokens += n - len(drafts) + len(tokens) - 1
@@ -328,28 +312,6 @@ class Scheduler:
                 self._end(req, req.finish_reason or "stop")
         self.stats.num_steps += 1
         return SchedulerUpdate(sampled, finished)
-
-    @staticmethod
-    def _append(req: Request, tokens: list[int]) -> tuple[list[int], str, str | None]:
-        """Append ``tokens`` to ``req`` through its ``StopRule`` (the one stop rule), up to the one that stops it.
-
-        Returns the tokens appended, the text they make safe to emit, and the
-        finish reason (None while it runs on).
-        """
-        out = req.output_token_ids
-        if len(tokens) == 1:  # no drafts kept: the common case
-            out.append(tokens[0])
-            text, reason = req.stop_rule.on_token(tokens[0], len(out))
-            return tokens, text, reason
-        texts: list[str] = []
-        reason = None
-        for count, token in enumerate(tokens, 1):
-            out.append(token)
-            piece, reason = req.stop_rule.on_token(token, len(out))
-            texts.append(piece)
-            if reason is not None:
-                return tokens[:count], "".join(texts), reason
-        return tokens, "".join(texts), reason
 
     def _fork(self, src: Request) -> None:
         """Hand ``src``'s full prompt pages to the siblings that waited for them."""

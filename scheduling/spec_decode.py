@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from scheduling.ngram_proposer import propose_ngram
 from scheduling.request import Request
+from scheduling.request_pages import RequestPages
 from scheduling.scheduler_stats import SchedulerStats
 from scheduling.spec_config import SpeculativeConfig
 
@@ -46,9 +47,10 @@ class DraftState:
 class SpecDecodePolicy:
     """Drafts for the scheduler, within each request's limits, and the adaptive off-switches."""
 
-    def __init__(self, config: SpeculativeConfig, stats: SchedulerStats) -> None:
+    def __init__(self, config: SpeculativeConfig, stats: SchedulerStats, max_model_len: int) -> None:
         self.config = config
         self.stats = stats
+        self.max_model_len = max_model_len
         self._min_acceptance = config.min_acceptance  # the bar of the step being planned
 
     def start_step(self, num_running: int) -> bool:
@@ -80,8 +82,10 @@ class SpecDecodePolicy:
         if limit <= 0:
             return []
         cfg = self.config
-        if cfg.drafts_in_runner:
-            return self._state(req).draft_token_ids[:limit]
+        if cfg.drafts_in_runner:  # taken once: proposals older than the last step are stale
+            state = self._state(req)
+            drafts, state.draft_token_ids = state.draft_token_ids[:limit], []
+            return drafts
         return propose_ngram(req.all_token_ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def num_to_propose(self, req: Request) -> int:
@@ -96,6 +100,23 @@ class SpecDecodePolicy:
         if num_out + 1 < self._state(req).resume_at:
             return 0
         return max(0, min(self.config.num_speculative_tokens, req.params.max_tokens - num_out - 2))
+
+    def reserve(self, kv: RequestPages, req: Request, n: int, drafts: list[int]) -> tuple[list[int], int]:
+        """Pages for ``req``'s drafts and proposals, from free pages only; else none of either.
+
+        ``n`` tokens are computed this step before the drafts. Speculation is
+        opportunistic: it never evicts cached prefixes or preempts a request.
+        Proposing m drafts after the step computes m tokens from the new last
+        one, at most m positions past the step's tokens, and stops short of
+        ``max_model_len``. Returns the drafts to verify and how many to propose.
+        """
+        end = req.num_computed_tokens + n + len(drafts)  # context after this step
+        propose = min(self.num_to_propose(req), self.max_model_len - end)
+        if not drafts and propose <= 0:
+            return [], 0
+        if kv.reserve(req, end + max(propose, 0), evict=False):
+            return drafts, max(propose, 0)
+        return [], 0
 
     def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """Count a verified draft; start a cooldown when the request's recent acceptance is low."""

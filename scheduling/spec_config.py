@@ -18,11 +18,12 @@ the defaults are measured, see docs/speculative.md):
 - ``min_acceptance``: a sequence whose drafts were accepted at a rate below it,
   over its last ``acceptance_window`` drafted steps, stops speculating for
   ``cooldown_tokens`` generated tokens, then tries again.
-- ``busy_batch_size`` and ``busy_min_acceptance``: in a step with at least
-  ``busy_batch_size`` running sequences the bar is ``busy_min_acceptance``
-  instead. Verifying a draft token costs more in a big batch (the forward
-  turns compute-bound), so only sequences whose drafts are mostly right keep
-  drafting there.
+- ``busy_batch_size`` and ``busy_min_acceptance``: a step with at least
+  ``busy_batch_size`` running sequences drafts only while the engine's recent
+  acceptance is at least ``busy_min_acceptance`` (probing now and then to
+  follow the workload). In a big batch the forward is compute-bound, so a
+  draft token costs about what a real one does: only drafts that are nearly
+  always right pay there.
 - ``disable_by_batch_size``: a step with at least this many running sequences
   does not speculate at all; None never switches off by batch size.
 """
@@ -52,7 +53,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     min_acceptance: float = 0.25
     busy_batch_size: int = 16
-    busy_min_acceptance: float = 0.6
+    busy_min_acceptance: float = 0.8
     acceptance_window: int = 4
     cooldown_tokens: int = 32
 

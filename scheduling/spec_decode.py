@@ -13,12 +13,19 @@ sampler chose (``actors.spec_verify``). Where drafts come from:
   scheduler tells the runner how many to propose per sampled sequence and
   reserves the pages their KV is written to.
 
-Adaptive: a sequence whose acceptance over its last ``acceptance_window``
-drafted steps fell below the bar stops drafting for ``cooldown_tokens``
-generated tokens; the bar is ``min_acceptance``, or ``busy_min_acceptance`` in
-a step with ``busy_batch_size`` or more running sequences (a draft token costs
-more to verify there). A step with ``disable_by_batch_size`` or more running
-sequences drafts nothing.
+Adaptive:
+
+- a sequence whose acceptance over its last ``acceptance_window`` drafted
+  steps fell below ``min_acceptance`` stops drafting for ``cooldown_tokens``
+  generated tokens;
+- a busy step (``busy_batch_size`` or more running sequences) drafts only
+  while the engine's recent acceptance (an exponential average over verified
+  drafts) is at least ``busy_min_acceptance``. In a big batch the forward is
+  compute-bound: a draft token costs about what a real one does, so only drafts
+  that are nearly always right pay. While the average is below the bar, one
+  busy step in ``BUSY_PROBE_EVERY`` drafts anyway, so the average follows the
+  workload (a burst of copy-heavy requests turns it back on);
+- a step with ``disable_by_batch_size`` or more running sequences drafts nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +38,11 @@ from scheduling.request import Request
 from scheduling.request_pages import RequestPages
 from scheduling.scheduler_stats import SchedulerStats
 from scheduling.spec_config import SpeculativeConfig
+
+# While the engine's acceptance is below the busy bar, one busy step in this many drafts, to measure it.
+BUSY_PROBE_EVERY = 32
+# Weight of one verified draft in the engine's acceptance average (about the last 20 drafts count).
+ACCEPTANCE_EMA_WEIGHT = 0.05
 
 
 @dataclass(slots=True)
@@ -51,14 +63,18 @@ class SpecDecodePolicy:
         self.config = config
         self.stats = stats
         self.max_model_len = max_model_len
-        self._min_acceptance = config.min_acceptance  # the bar of the step being planned
+        self.acceptance = 1.0  # the engine's recent acceptance; optimistic until drafts are verified
+        self._busy_steps = 0
 
     def start_step(self, num_running: int) -> bool:
-        """Set the step's acceptance bar from its batch size; False when the step drafts nothing."""
+        """Whether the step being planned drafts at all, from its batch size and recent acceptance."""
         cfg = self.config
-        busy = num_running >= cfg.busy_batch_size
-        self._min_acceptance = cfg.busy_min_acceptance if busy else cfg.min_acceptance
-        return cfg.disable_by_batch_size is None or num_running < cfg.disable_by_batch_size
+        if cfg.disable_by_batch_size is not None and num_running >= cfg.disable_by_batch_size:
+            return False
+        if num_running < cfg.busy_batch_size or self.acceptance >= cfg.busy_min_acceptance:
+            return True
+        self._busy_steps += 1
+        return self._busy_steps % BUSY_PROBE_EVERY == 0
 
     def _state(self, req: Request) -> DraftState:
         if req.spec is None:
@@ -121,6 +137,7 @@ class SpecDecodePolicy:
     def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """Count a verified draft; start a cooldown when the request's recent acceptance is low."""
         self.stats.record_draft(num_drafted, num_accepted)
+        self.acceptance += ACCEPTANCE_EMA_WEIGHT * (num_accepted / num_drafted - self.acceptance)
         state = self._state(req)
         cfg = self.config
         state.recent.append((num_drafted, num_accepted))
@@ -130,7 +147,7 @@ class SpecDecodePolicy:
             return
         drafted = sum(d for d, _ in state.recent)
         accepted = sum(a for _, a in state.recent)
-        if accepted < self._min_acceptance * drafted:
+        if accepted < cfg.min_acceptance * drafted:
             state.resume_at = len(req.output_token_ids) + cfg.cooldown_tokens
             state.recent.clear()
 

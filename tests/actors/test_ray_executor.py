@@ -154,7 +154,7 @@ def test_tp2_with_speculation_matches_hf(
         "draft_model": {"method": "draft", "model": str(folder), "num_speculative_tokens": 3},
     }[method]
     llm = LLM(str(folder), tensor_parallel_size=2, executor="ray", **ENGINE,
-              speculative_config={**spec, "disable_by_batch_size": None})
+              speculative_config={**spec, "busy_min_acceptance": 0.0})
     try:
         assert _tokens(llm) == expected
         stats = llm.engine.scheduler.stats

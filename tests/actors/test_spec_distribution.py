@@ -29,8 +29,8 @@ MIN_EXPECTED = 5.0  # pool categories expected fewer times than this in either a
 PROMPT = "My favourite animals are cats, dogs and birds. My favourite animals are cats,"
 ENGINE: dict[str, Any] = {"max_model_len": 256, "max_num_seqs": 128, "max_num_batched_tokens": 2048}
 METHODS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None},
-    "self_draft": {"method": "draft", "layers": 10, "num_speculative_tokens": 2, "disable_by_batch_size": None},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "self_draft": {"method": "draft", "layers": 10, "num_speculative_tokens": 2},
 }
 PARAMS = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
 
@@ -68,7 +68,10 @@ def baseline(smollm2_dir: Path) -> Counter[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def engines(smollm2_dir: Path) -> Iterator[dict[str, LLM]]:
-    llms = {m: LLM(str(smollm2_dir), **ENGINE, seed=2, speculative_config=c) for m, c in METHODS.items()}
+    # Every step drafts, whatever the batch size and acceptance: the test is about what is verified.
+    always = {"min_acceptance": 0.0, "busy_min_acceptance": 0.0}
+    llms = {m: LLM(str(smollm2_dir), **ENGINE, seed=2, speculative_config={**c, **always})
+            for m, c in METHODS.items()}
     yield llms
     for llm in llms.values():
         llm.shutdown()

@@ -17,7 +17,9 @@ the defaults are measured, see docs/speculative.md):
 
 - ``min_acceptance``: a sequence whose drafts were accepted at a rate below it,
   over its last ``acceptance_window`` drafted steps, stops speculating for
-  ``cooldown_tokens`` generated tokens, then tries again.
+  ``cooldown_tokens`` generated tokens, then tries again; and while the
+  engine's recent acceptance is below it, steps draft only now and then (to
+  keep measuring it), so a drafter that is never right costs little.
 - ``busy_batch_size`` and ``busy_min_acceptance``: a step with at least
   ``busy_batch_size`` running sequences drafts only while the engine's recent
   acceptance is at least ``busy_min_acceptance`` (probing now and then to

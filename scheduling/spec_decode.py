@@ -18,13 +18,14 @@ Adaptive:
 - a sequence whose acceptance over its last ``acceptance_window`` drafted
   steps fell below ``min_acceptance`` stops drafting for ``cooldown_tokens``
   generated tokens;
-- a busy step (``busy_batch_size`` or more running sequences) drafts only
-  while the engine's recent acceptance (an exponential average over verified
-  drafts) is at least ``busy_min_acceptance``. In a big batch the forward is
-  compute-bound: a draft token costs about what a real one does, so only drafts
-  that are nearly always right pay. While the average is below the bar, one
-  busy step in ``BUSY_PROBE_EVERY`` drafts anyway, so the average follows the
-  workload (a burst of copy-heavy requests turns it back on);
+- a step drafts only while the engine's recent acceptance (an exponential
+  average over verified drafts) is at least ``min_acceptance``, or
+  ``busy_min_acceptance`` in a busy step (``busy_batch_size`` or more running
+  sequences). In a big batch the forward is compute-bound: a draft token costs
+  about what a real one does, so only drafts that are nearly always right pay.
+  While the average is below the bar, one such step in ``PROBE_EVERY`` drafts
+  anyway, so the average follows the workload (a burst of copy-heavy requests
+  turns it back on), and a drafter that is never right costs little;
 - a step with ``disable_by_batch_size`` or more running sequences drafts nothing.
 """
 
@@ -39,8 +40,8 @@ from scheduling.request_pages import RequestPages
 from scheduling.scheduler_stats import SchedulerStats
 from scheduling.spec_config import SpeculativeConfig
 
-# While the engine's acceptance is below the busy bar, one busy step in this many drafts, to measure it.
-BUSY_PROBE_EVERY = 32
+# While the engine's acceptance is below the step's bar, one step in this many drafts, to measure it.
+PROBE_EVERY = 32
 # Weight of one verified draft in the engine's acceptance average (about the last 20 drafts count).
 ACCEPTANCE_EMA_WEIGHT = 0.05
 
@@ -64,17 +65,18 @@ class SpecDecodePolicy:
         self.stats = stats
         self.max_model_len = max_model_len
         self.acceptance = 1.0  # the engine's recent acceptance; optimistic until drafts are verified
-        self._busy_steps = 0
+        self._held_steps = 0
 
     def start_step(self, num_running: int) -> bool:
         """Whether the step being planned drafts at all, from its batch size and recent acceptance."""
         cfg = self.config
         if cfg.disable_by_batch_size is not None and num_running >= cfg.disable_by_batch_size:
             return False
-        if num_running < cfg.busy_batch_size or self.acceptance >= cfg.busy_min_acceptance:
+        bar = cfg.busy_min_acceptance if num_running >= cfg.busy_batch_size else cfg.min_acceptance
+        if self.acceptance >= bar:
             return True
-        self._busy_steps += 1
-        return self._busy_steps % BUSY_PROBE_EVERY == 0
+        self._held_steps += 1
+        return self._held_steps % PROBE_EVERY == 0
 
     def _state(self, req: Request) -> DraftState:
         if req.spec is None:

@@ -17,7 +17,7 @@ from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.spec_config import SpeculativeConfig
-from scheduling.spec_decode import BUSY_PROBE_EVERY
+from scheduling.spec_decode import PROBE_EVERY
 from tests.scheduling.driver import VOCAB, Run, assert_pool_clean, drain, make, step
 from tests.scheduling.fake_runner import next_token, reference_generate
 
@@ -178,8 +178,8 @@ def test_busy_steps_draft_only_while_the_engine_acceptance_clears_the_bar(busy_b
         drafted += batch.draft_token_ids is not None
     policy = run.scheduler.spec
     assert policy is not None and policy.acceptance < 0.9
-    if busy:  # the first steps (optimistic start), then one probe in BUSY_PROBE_EVERY busy steps
-        assert drafted <= 6 + steps // BUSY_PROBE_EVERY
+    if busy:  # the first steps (optimistic start), then one probe in PROBE_EVERY steps
+        assert drafted <= 6 + steps // PROBE_EVERY
     else:
         assert drafted >= steps - 2
     for r in reqs:

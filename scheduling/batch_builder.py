@@ -23,8 +23,9 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
     num_out: list[int] = []
     prompts: list[list[int] | None] = []
     outputs: list[list[int] | None] = []
-    drafts: list[list[int]] = []
-    propose: list[int] = []
+    # Per sampled sequence, only once one drafts or proposes (a step without speculation skips them).
+    drafts: list[list[int]] | None = None
+    propose: list[int] | None = None
     for idx, (req, n, samples, draft, num_propose) in enumerate(scheduled):
         start = req.num_computed_tokens
         end = start + n
@@ -53,10 +54,15 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
             penal = p.needs_penalties
             prompts.append(req.prompt_token_ids if penal else None)
             outputs.append(req.output_token_ids[:] if penal else None)
-            drafts.append(draft)
-            propose.append(num_propose)
+            if drafts is None and (draft or num_propose):
+                before = len(sample_indices) - 1
+                drafts, propose = [[] for _ in range(before)], [0] * before
+            if drafts is not None and propose is not None:
+                drafts.append(draft)
+                propose.append(num_propose)
     return Batch(
         step, input_ids, positions, query_lens, context_lens, page_tables,
         sample_indices, params, num_out, prompts, outputs,
-        drafts if any(drafts) else None, propose if any(propose) else None,
+        drafts if drafts is not None and any(drafts) else None,
+        propose if propose is not None and any(propose) else None,
     )

@@ -38,6 +38,9 @@ from scheduling.scheduler_config import SchedulerConfig
 from scheduling.scheduler_stats import SchedulerStats
 from scheduling.spec_decode import SpecDecodePolicy
 
+# The draft tokens of a sequence that has none (shared, never mutated: the per-step hot path).
+_NO_DRAFTS: list[int] = []
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerUpdate:
@@ -176,14 +179,13 @@ class Scheduler:
                     break
             else:
                 samples = req.num_computed_tokens + n == req.num_tokens
-                drafts: list[int] = []
-                propose = 0
                 if spec is not None and samples:
-                    if n == 1:
-                        drafts = spec.drafts(req, min(spec.max_drafts(req), budget - 1))
+                    drafts = spec.drafts(req, min(spec.max_drafts(req), budget - 1)) if n == 1 else _NO_DRAFTS
                     drafts, propose = spec.reserve(self.kv, req, n, drafts)
-                n += len(drafts)
-                scheduled.append((req, n, samples, drafts, propose))
+                    n += len(drafts)
+                    scheduled.append((req, n, samples, drafts, propose))
+                else:
+                    scheduled.append((req, n, samples, _NO_DRAFTS, 0))
                 budget -= n
                 i += 1
         if not preempted:
@@ -224,10 +226,8 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             samples = req.num_computed_tokens + n == req.num_tokens
-            propose = 0
-            if spec is not None and samples:
-                _, propose = spec.reserve(self.kv, req, n, [])
-            scheduled.append((req, n, samples, [], propose))
+            propose = spec.reserve(self.kv, req, n, _NO_DRAFTS)[1] if spec is not None and samples else 0
+            scheduled.append((req, n, samples, _NO_DRAFTS, propose))
             budget -= n
         return budget
 
@@ -272,6 +272,8 @@ class Scheduler:
         now = time.monotonic()
         sampled: list[tuple[Request, list[int], int, str]] = []
         finished: list[Request] = []
+        num_accepted = output.num_accepted  # None: no drafts this step, one new token per sequence
+        token_ids = output.token_ids
         seq = 0  # index among the step's sampled sequences
         row = 0  # first output row of the next sampled sequence
         for req, n, samples, drafts, propose in scheduled:
@@ -284,20 +286,27 @@ class Scheduler:
             if not samples:
                 req.num_computed_tokens += n
                 continue
-            accepted = output.num_accepted[j] if output.num_accepted is not None else 0
-            tokens, text, reason = req.append_output(output.token_ids[first : first + accepted + 1])
-            # The step computed the tokens before its drafts and the drafts kept
-            # (``tokens`` minus the last, which is new); the rest was never valid.
-            req.num_computed_tokens += n - len(drafts) + len(tokens) - 1
+            if num_accepted is None:  # ``append_output`` of one token, inlined: the per-step hot path
+                token = token_ids[first]
+                req.output_token_ids.append(token)
+                text, reason = req.stop_rule.on_token(token, len(req.output_token_ids))
+                tokens = [token]
+                req.num_computed_tokens += n
+            else:
+                tokens, text, reason = req.append_output(token_ids[first : first + num_accepted[j] + 1])
+                # The step computed the tokens before its drafts and the drafts kept
+                # (``tokens`` minus the last, which is new); the rest was never valid.
+                req.num_computed_tokens += n - len(drafts) + len(tokens) - 1
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            if req.request_id in self._forks:
+            if self._forks and req.request_id in self._forks:
                 self._fork(req)
             if drafts or propose:
                 assert self.spec is not None
                 if drafts:
-                    self.spec.record(req, len(drafts), accepted)
+                    assert num_accepted is not None
+                    self.spec.record(req, len(drafts), num_accepted[j])
                 if output.draft_token_ids is not None:
                     self.spec.set_proposals(req, output.draft_token_ids[j])
                 self.kv.trim(req, req.num_tokens)  # rejected drafts' pages go back now

@@ -1,7 +1,7 @@
 """``flotilla bench spec`` and ``flotilla bench spec-workloads``: command lines.
 
-    flotilla bench spec-workloads --out-dir bench/spec              # edit.jsonl, questions.jsonl
-    flotilla bench spec --model smollm2-135m --workload bench/spec/edit.jsonl \\
+    flotilla bench spec-workloads --out-dir .bench/spec              # edit.jsonl, questions.jsonl
+    flotilla bench spec --model smollm2-135m --workload .bench/spec/edit.jsonl \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' --json
 
 The runner (torch, the engine) is imported only when ``bench spec`` runs, so

@@ -49,11 +49,15 @@ class PrefixMatch:
     """``pages`` cover the first ``num_tokens`` tokens; pass ``node`` to ``lock``/``unlock``.
 
     ``node`` is a root (lock and unlock are no-ops on it) when nothing matched.
+    ``num_node_pages``: when the match stops inside ``node``, how many of its
+    pages it covers (0 when it covers ``node`` whole); ``lock_match`` splits
+    the node there, so only matched pages are pinned.
     """
 
     pages: list[int]
     num_tokens: int
     node: RadixNode
+    num_node_pages: int = 0
 
 
 class RadixCache:
@@ -99,8 +103,8 @@ class RadixCache:
         ps = self.page_size
         tokens = tuple(token_ids)
         limit = (len(tokens) - 1) // ps * ps if tokens else 0
-        node, num_tokens, _, pages = self._walk(tokens, limit, namespace)
-        return PrefixMatch(pages, num_tokens, node)
+        node, num_tokens, num_node_pages, pages = self._walk(tokens, limit, namespace)
+        return PrefixMatch(pages, num_tokens, node, num_node_pages)
 
     def insert(
         self, token_ids: Sequence[int], pages: Sequence[int], namespace: str | None = None
@@ -144,6 +148,20 @@ class RadixCache:
                 self._num_locked += len(node.pages)
             node.lock_count += 1
             node = node.parent
+
+    def lock_match(self, match: PrefixMatch) -> PrefixMatch:
+        """Lock exactly ``match``'s pages (call it before anything else changes the tree).
+
+        A match that stops inside a node first splits the node there, so the
+        node's unmatched tail stays evictable: pinning it would keep a request
+        from evicting the very pages it needs, with room to be had. Returns the
+        match naming the node to ``unlock`` later.
+        """
+        node = match.node
+        if match.num_node_pages and not node.removed and match.num_node_pages < len(node.pages):
+            node = self._split(node, match.num_node_pages)
+        self.lock(node)
+        return PrefixMatch(match.pages, match.num_tokens, node)
 
     def unlock(self, node: RadixNode) -> None:
         """Undo one ``lock(node)``; raises ``RuntimeError`` if ``node`` is not locked."""

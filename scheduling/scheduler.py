@@ -232,30 +232,27 @@ class Scheduler:
         return budget
 
     def _fit(self, req: Request, match: PrefixMatch | None, budget: int) -> tuple[PrefixMatch | None, int] | None:
-        """The prefix to start ``req`` from and the tokens to compute this step, if its pages could be had.
+        """The prefix to start ``req`` from (its pages locked) and the tokens to compute this step.
 
-        The match's node comes back locked. A match that blocks its own
-        admission (its node holds pages the request would have to evict, say
-        one shared token of a long cached key) is dropped for a fresh start.
-        None: nothing fits, and nothing is locked or evicted.
+        None when the pages could not be had even by evicting every unlocked
+        cached page; then nothing is locked or evicted.
         """
-        cache = self.cache
-        for candidate in (match, None) if match is not None else (None,):
-            start = req.num_computed_tokens if candidate is None else candidate.num_tokens
-            remaining = req.num_tokens - start
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
-                return None
-            have = len(req.pages)
-            if candidate is not None:
-                assert cache is not None
-                cache.lock(candidate.node)  # first, so the fit check does not count it evictable
-                have = len(candidate.pages)
-            if self.kv.may_fit(self.kv.pages_for(start + n) - have):
-                return candidate, n
-            if candidate is not None:
-                assert cache is not None
-                cache.unlock(candidate.node)  # no eviction could make room with it
+        start = req.num_computed_tokens if match is None else match.num_tokens
+        remaining = req.num_tokens - start
+        n = min(remaining, budget)
+        if n < remaining and not self.config.enable_chunked_prefill:
+            return None
+        have = len(req.pages)
+        if match is not None:
+            assert self.cache is not None
+            # First, so the fit check does not count the matched pages evictable.
+            match = self.cache.lock_match(match)
+            have = len(match.pages)
+        if self.kv.may_fit(self.kv.pages_for(start + n) - have):
+            return match, n
+        if match is not None:
+            assert self.cache is not None
+            self.cache.unlock(match.node)
         return None
 
     def _count_prefix_hit(self, req: Request, num_hit_tokens: int) -> None:

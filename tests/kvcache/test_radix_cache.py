@@ -280,3 +280,31 @@ def test_check_integrity_catches_corruption() -> None:
 def test_page_size_must_be_positive() -> None:
     with pytest.raises(ValueError):
         RadixCache(PageAllocator(4), 0)
+
+
+def test_lock_match_inside_a_key_pins_only_the_matched_pages() -> None:
+    alloc, cache = make()
+    pages = put(alloc, cache, seq(0, 6 * PS))  # one 6-page key
+    query = seq(0, 2 * PS) + [999] * 5  # shares its first 2 pages
+    match = cache.match_prefix(query)
+    assert (match.num_tokens, match.pages, match.num_node_pages) == (2 * PS, pages[:2], 2)
+    locked = cache.lock_match(match)
+    assert cache.num_locked_pages == 2 and cache.num_evictable_pages == 4
+    cache.check_integrity()
+    assert cache.evict(6) == 4  # the unmatched tail goes; the matched head stays
+    assert cache.match_prefix(query).pages == pages[:2]
+    cache.unlock(locked.node)
+    assert cache.num_locked_pages == 0 and cache.num_evictable_pages == 2
+    cache.check_integrity()
+    assert cache.reset() == 2 and alloc.num_free_pages == alloc.num_pages
+
+
+def test_lock_match_of_whole_keys_splits_nothing() -> None:
+    alloc, cache = make()
+    put(alloc, cache, seq(0, 3 * PS))
+    match = cache.match_prefix(seq(0, 3 * PS) + [7])
+    assert match.num_node_pages == 0
+    locked = cache.lock_match(match)
+    assert locked.node is match.node and cache.num_locked_pages == 3
+    cache.unlock(locked.node)
+    cache.check_integrity()

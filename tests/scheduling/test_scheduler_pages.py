@@ -115,11 +115,11 @@ def test_eviction_frees_pages_before_preempting_despite_shared_ones() -> None:
     assert_pool_clean(run)
 
 
-def test_a_prefix_match_that_blocks_its_own_admission_is_dropped() -> None:
+def test_a_prefix_match_inside_a_key_pins_only_its_own_pages() -> None:
     # A cached 15-token key holds 15 of 24 pages, another 7, 2 are free; a request
-    # sharing only the first token of the long key needs 10 more pages. Starting from
-    # the match would lock the whole long key, leaving 9 to be had: it starts afresh
-    # instead, evicting what it needs, and is not stuck.
+    # sharing only the first token of the long key needs 10 more pages. Locking the
+    # whole long key would leave 9 to be had and the request would wait forever: the
+    # match locks its one page (the key is split there) and the tail is evicted.
     cfg = SchedulerConfig(max_model_len=24, max_num_seqs=2, max_num_batched_tokens=32, page_size=1)
     run = make(cfg, num_pages=24)
     s = run.scheduler

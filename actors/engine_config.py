@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from kvcache.kv_dtypes import canonical_kv_dtype
 from scheduling.errors import InvalidParameterError
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.spec_config import SpeculativeConfig
@@ -47,8 +49,14 @@ class EngineConfig:
     ``cpu_threads`` too, else the CPUs reserved for it (one).
     ``attention_backend``: ``torch`` (the paged-attention reference, on CPU
     and CUDA) is the only backend today, so ``auto`` resolves to it;
-    ``flashinfer`` is refused until that backend exists. Errors name the
-    parameter and, where two settings disagree, both values.
+    ``flashinfer`` is refused until that backend exists. ``kv_cache_dtype``:
+    ``auto`` (the model dtype), ``int8`` or ``fp8_e4m3`` (alias ``fp8``), one
+    byte per element plus a bfloat16 scale per token and kv head
+    (``kvcache.kv_dtypes``). ``quantization``: weight-only ``int8``, ``int4``
+    or ``compressed-tensors`` (``QUANTIZATION_METHODS``), with
+    ``quantization_group_size`` for int4 (None: 32 from GGUF blocks, else
+    128). Errors name the parameter and, where two settings disagree, both
+    values.
     """
 
     model: str = "tiny"
@@ -69,6 +77,9 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None
     speculative_config: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -112,9 +123,33 @@ class EngineConfig:
             not isinstance(self.cpu_threads, int) or isinstance(self.cpu_threads, bool) or self.cpu_threads < 1
         ):
             raise InvalidParameterError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
+        self._check_quantization()
         # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self.scheduler_config()  # validates the scheduling limits, naming both values
+
+    def _check_quantization(self) -> None:
+        q, group = self.quantization, self.quantization_group_size
+        if q is not None and q not in QUANTIZATION_METHODS:
+            raise InvalidParameterError(
+                "quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {q!r}"
+            )
+        if group is not None and q != "int4":
+            raise InvalidParameterError(
+                "quantization_group_size", f"applies to quantization='int4' only, not {q!r}"
+            )
+        if group is not None and group not in INT4_GROUP_SIZES:
+            raise InvalidParameterError(
+                "quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {group!r}"
+            )
+        if self.resolved_device().type == "cuda" and (q in ("int8", "int4") or self.kv_cache_dtype != "auto"):
+            # The weight-only kernels are torch's CPU ones and the quantized
+            # pages are read by the CPU kernel and the torch path; nothing
+            # on CUDA has been checked, so it is refused rather than tried.
+            param = "quantization" if q in ("int8", "int4") else "kv_cache_dtype"
+            value = q if param == "quantization" else self.kv_cache_dtype
+            raise InvalidParameterError(param, f"{value!r} is supported on the CPU only, not on CUDA")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

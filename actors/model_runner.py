@@ -81,6 +81,7 @@ def make_drafter(config: EngineConfig, runner: ModelRunner, *, rank: int, world_
     pool = KVPool(
         num_layers=draft.num_layers, num_pages=runner.capacity.num_pages, page_size=config.page_size,
         num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim, dtype=runner.dtype, device=runner.device,
+        kv_dtype=config.kv_cache_dtype,
     )
     if rank == 0:
         logger.info("draft model %s: KV pool of %d pages, %.1f MiB", spec.model, pool.num_pages,
@@ -134,7 +135,10 @@ class ModelRunner:
         self.model_path = loaded.path
         m = self.model
         self.vocab_size = m.vocab_size
-        per_page = bytes_per_page(m.num_layers, config.page_size, m.num_kv_heads, m.head_dim, self.dtype)
+        per_page = bytes_per_page(
+            m.num_layers, config.page_size, m.num_kv_heads, m.head_dim, self.dtype, config.kv_cache_dtype
+        )
+        kv_name = str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         available = available_memory_bytes(self.device)
         fraction_pages = int(config.memory_fraction() * available) // per_page
 
@@ -142,7 +146,7 @@ class ModelRunner:
             return plan_num_pages(
                 num_pages=num_pages, kv_cache_memory_fraction=config.memory_fraction(),
                 available_bytes=available, bytes_per_page=per_page, page_size=config.page_size,
-                max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, kv_dtype=kv_name,
             )
 
         self.capacity: KVCapacity = plan(_default_cpu_pages(config, self.device, fraction_pages))
@@ -156,6 +160,7 @@ class ModelRunner:
         self.pool = KVPool(
             num_layers=m.num_layers, num_pages=self.capacity.num_pages, page_size=config.page_size,
             num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=self.dtype, device=self.device,
+            kv_dtype=config.kv_cache_dtype,
         )
         if rank == 0:  # one report per engine, not one per shard
             logger.info(self.capacity.describe())

@@ -22,8 +22,10 @@ import signal
 import time
 from typing import Any
 
+from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
+from kvcache.kv_dtypes import KV_CACHE_DTYPES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -55,6 +57,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                          'or \'{"method": "draft", "layers": 8, "num_speculative_tokens": 3}\' '
                          "(docs/speculative.md)")
+    sp.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default=None,
+                    help="KV pages: auto (the model dtype), int8 or fp8 (= fp8_e4m3), one byte per element "
+                         "plus a bf16 scale per token and head (docs/quantization.md)")
+    sp.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                    help="weight-only int8 (per channel) or int4 (groups; GGUF Q4_0/Q4_1 blocks load "
+                         "directly), or compressed-tensors (GPTQ/AWQ checkpoints; found by itself too)")
+    sp.add_argument("--quantization-group-size", type=int, default=None, choices=INT4_GROUP_SIZES,
+                    help="int4 group size (default: 32 from GGUF blocks, else 128)")
     sp.add_argument("--num-gpus", type=float, default=0.0,
                     help="GPUs for each replica's scheduler actor (the in-process executor)")
     sp.add_argument("--api-key", action="append", default=None, dest="api_keys", metavar="KEY",
@@ -122,7 +132,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.model, "num_replicas": args.replicas}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_pages",
                  "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads",
-                 "speculative_config"):
+                 "speculative_config", "kv_cache_dtype", "quantization", "quantization_group_size"):
         value = getattr(args, name)
         if value is not None:
             out[name] = value

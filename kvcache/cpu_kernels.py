@@ -2,7 +2,10 @@
 
 ``get_paged_decode`` hands out ``paged_decode``: decode attention (one query
 token per sequence) that walks each sequence's page table in place, one pass
-over K and V and no gather copy (source: ``csrc/paged_decode.cpp``). It is
+over K and V and no gather copy, on pages in the model dtype or quantized
+(int8 / fp8 e4m3 with per-token, per-head scales); and ``quantize_write``,
+which stores a step's k and v into quantized pages (source:
+``csrc/paged_decode.cpp``). It is
 built with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ``ninja``) into
 ``$FLOTILLA_CACHE_DIR/torch_extensions/<machine key>``, so a machine builds it
@@ -37,15 +40,16 @@ logger = logging.getLogger("flotilla.kvcache")
 
 ENV_SWITCH = "FLOTILLA_CPU_KERNELS"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 # Tried in order; the first that builds and loads wins.
 _VARIANTS: list[tuple[str, list[str]]] = [("native", ["-march=native"]), ("generic", [])]
 
-PagedDecode = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-    None,
-]
+# (out, q, k_cache, v_cache, page_table, context_lens, scale, k_scales, v_scales)
+PagedDecode = Callable[..., None]
+# (k, v, slots, k_cache, v_cache, k_scales, v_scales)
+QuantizeWrite = Callable[..., None]
 
 _lock = threading.Lock()
 _module: Any = None  # the loaded extension, once built
@@ -186,35 +190,60 @@ def load_extension() -> Any | None:
         return _module
 
 
-def supports(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether ``paged_decode`` handles this pool: CPU, a supported dtype, and a
-    head_dim that is a multiple of 8 up to 256 (every common model's)."""
+def supports(
+    device: torch.device | str, dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None
+) -> bool:
+    """Whether the kernels handle this pool: CPU, a supported model dtype, pages
+    in it or quantized (``cache_dtype``; None: the model dtype), and a head_dim
+    that is a multiple of 8 up to 256 (every common model's)."""
+    cache = dtype if cache_dtype is None else cache_dtype
     return (
         torch.device(device).type == "cpu"
         and dtype in SUPPORTED_DTYPES
+        and (cache == dtype or cache in QUANTIZED_CACHE_DTYPES)
         and head_dim % 8 == 0
         and 0 < head_dim <= 256
     )
 
 
 def get_paged_decode(
-    device: torch.device | str, dtype: torch.dtype, head_dim: int
+    device: torch.device | str, dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None
 ) -> PagedDecode | None:
     """The ``paged_decode`` op for a pool on ``device`` in ``dtype``, or None.
 
-    None unless ``supports(device, dtype, head_dim)``, the kernels are enabled
-    and the extension builds (the first call in a process may build it). The
-    op's arguments are ``(out, q, k_cache, v_cache, page_table, context_lens,
-    scale)``: out and q
-    ``(B, H, D)`` (last dim contiguous), caches ``(P, page, KVH, D)``
+    None unless ``supports(device, dtype, head_dim, cache_dtype)``, the
+    kernels are enabled and the extension builds (the first call in a process
+    may build it). The op's arguments are ``(out, q, k_cache, v_cache,
+    page_table, context_lens, scale, k_scales=None, v_scales=None)``: out and
+    q ``(B, H, D)`` (last dim contiguous), caches ``(P, page, KVH, D)``
     contiguous, page_table ``(B, max_pages)`` and context_lens ``(B,)``
-    int32/int64; it writes ``out`` in place.
+    int32/int64, and for quantized caches the bfloat16 scales
+    ``(P, page, KVH)``; it writes ``out`` in place.
     """
-    if not supports(device, dtype, head_dim):
+    if not supports(device, dtype, head_dim, cache_dtype):
         return None
     module = load_extension()
     if module is None:
         return None
     op: PagedDecode = module.paged_decode
+    return op
+
+
+def get_quantize_write(
+    device: torch.device | str, dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype
+) -> QuantizeWrite | None:
+    """The ``quantize_write`` op for a quantized pool, or None (as ``get_paged_decode``).
+
+    Arguments ``(k, v, slots, k_cache, v_cache, k_scales, v_scales)``: k and v
+    ``(T, KVH, D)`` in ``dtype`` (last dim contiguous), slots ``(T,)``, the
+    caches' flat ``(slots, KVH, D)`` and scales' ``(slots, KVH)`` views.
+    Writes exactly what ``kv_quant.quantize_kv`` computes.
+    """
+    if cache_dtype not in QUANTIZED_CACHE_DTYPES or not supports(device, dtype, head_dim, cache_dtype):
+        return None
+    module = load_extension()
+    if module is None:
+        return None
+    op: QuantizeWrite = module.quantize_write
     return op
 

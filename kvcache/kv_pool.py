@@ -6,6 +6,11 @@ not built yet: the torch backend is the only one today) can use the same
 tensors. Page ``p`` of every layer belongs to the same
 sequence: the page allocator hands out page ids, this module only owns bytes.
 
+With a quantized ``kv_dtype`` (``int8``, ``fp8_e4m3``; see ``kv_dtypes`` and
+``kv_quant``) the page tensors hold one byte per element and
+``k_scales``/``v_scales`` hold one bfloat16 scale per token and kv head,
+``(num_pages, page_size, num_kv_heads)``, beside them.
+
 Also here: how many pages fit in memory (``plan_num_pages``) and the one-line
 capacity report printed at start-up.
 """
@@ -19,14 +24,25 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.errors import CacheConfigError
+from kvcache.kv_dtypes import canonical_kv_dtype, kv_bytes_per_token_head
+from kvcache.kv_quant import SCALE_DTYPE, STORAGE_DTYPES, is_quantized
 
 
 def bytes_per_page(
-    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: str = "auto",
 ) -> int:
-    """Bytes one page occupies across all layers, k and v together."""
+    """Bytes one page occupies across all layers, k and v together, scales included.
+
+    ``dtype`` is the model dtype (what ``auto`` stores).
+    """
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * element_size
+    per_head = kv_bytes_per_token_head(head_dim, canonical_kv_dtype(kv_dtype), element_size)
+    return 2 * num_layers * page_size * num_kv_heads * per_head
 
 
 class KVPool:
@@ -34,9 +50,15 @@ class KVPool:
 
     Attributes:
         k_caches, v_caches: one tensor per layer, each
-            ``(num_pages, page_size, num_kv_heads, head_dim)``, contiguous.
-        num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device.
-        bytes_per_page: bytes of one page over all layers, k and v.
+            ``(num_pages, page_size, num_kv_heads, head_dim)``, contiguous, in
+            ``cache_dtype``.
+        k_scales, v_scales: with a quantized ``kv_dtype``, one bfloat16
+            tensor per layer, ``(num_pages, page_size, num_kv_heads)``; else None.
+        num_pages, page_size, num_layers, num_kv_heads, head_dim, device.
+        dtype: the model dtype (what attention computes in and returns).
+        kv_dtype: ``auto``, ``int8`` or ``fp8_e4m3`` (canonical names).
+        cache_dtype: what the pages store: ``dtype`` for ``auto``, else int8 / float8_e4m3fn.
+        bytes_per_page: bytes of one page over all layers, k and v, scales included.
         total_bytes: ``num_pages * bytes_per_page``.
     """
 
@@ -50,6 +72,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_dtype: str = "auto",
     ) -> None:
         if num_pages < 1:
             raise CacheConfigError("num_kv_pages", f"must be >= 1, got {num_pages}")
@@ -67,18 +90,29 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kv_dtype = canonical_kv_dtype(kv_dtype)
+        self.cache_dtype = STORAGE_DTYPES.get(self.kv_dtype, dtype)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padding slots of a gather read pages nobody wrote,
         # and NaN garbage there would poison attention even under a mask in
         # some kernels (0 * NaN).
-        self.k_caches: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_caches: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.bytes_per_page = bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
+        self.k_caches: list[torch.Tensor] = self._zeros(shape, self.cache_dtype)
+        self.v_caches: list[torch.Tensor] = self._zeros(shape, self.cache_dtype)
+        self.k_scales: list[torch.Tensor] | None = None
+        self.v_scales: list[torch.Tensor] | None = None
+        if is_quantized(self.kv_dtype):
+            self.k_scales = self._zeros(shape[:3], SCALE_DTYPE)
+            self.v_scales = self._zeros(shape[:3], SCALE_DTYPE)
+        self.bytes_per_page = bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype, self.kv_dtype)
         self.total_bytes = num_pages * self.bytes_per_page
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+
+    @property
+    def is_quantized(self) -> bool:
+        """True when pages hold int8 / fp8 values with per-token, per-head scales."""
+        return self.k_scales is not None
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +123,7 @@ class KVPool:
         return (
             f"KVPool(num_layers={self.num_layers}, num_pages={self.num_pages}, "
             f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, kv_dtype={self.kv_dtype}, device={self.device}, "
             f"total_bytes={self.total_bytes})"
         )
 
@@ -130,12 +164,17 @@ class KVCapacity:
     page_size: int
     max_model_len: int
     max_num_seqs: int
+    kv_dtype: str = "auto"  # what the pages store, for the report: a model dtype's name, int8 or fp8_e4m3
 
     def describe(self) -> str:
-        """One line for start-up logging."""
+        """One line for start-up logging: pages, tokens and bytes in the pool's dtype."""
+        stored = self.kv_dtype
+        if is_quantized(stored):
+            stored += " + bf16 scales per token and head"
         return (
-            f"KV cache: {self.num_pages} pages x {self.page_size} tokens = "
-            f"{self.num_tokens} tokens, {self.bytes / 2**20:.1f} MiB; "
+            f"KV cache ({stored}): {self.num_pages} pages x {self.page_size} tokens = "
+            f"{self.num_tokens} tokens, {self.bytes / 2**20:.1f} MiB, "
+            f"{self.bytes // max(self.num_tokens, 1)} bytes per token; "
             f"{self.max_concurrent_seqs} sequences of max_model_len {self.max_model_len} "
             f"fit at once (max_num_seqs {self.max_num_seqs})"
         )
@@ -150,6 +189,7 @@ def plan_num_pages(
     page_size: int,
     max_model_len: int,
     max_num_seqs: int,
+    kv_dtype: str = "auto",
 ) -> KVCapacity:
     """Decide the pool size.
 
@@ -199,4 +239,5 @@ def plan_num_pages(
         page_size=page_size,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
+        kv_dtype=kv_dtype,
     )

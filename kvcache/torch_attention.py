@@ -28,6 +28,13 @@ call whatever their context lengths. Its padded page table and context
 lengths are built once per step in ``plan``. Prefill and chunked-prefill
 sequences keep the torch path, as does everything when the kernel is off
 (``FLOTILLA_CPU_KERNELS=0``) or cannot be built.
+
+Quantized pools (int8, fp8_e4m3; ``kv_quant``): the write quantizes each
+token's k and v per kv head (the native ``quantize_write`` on the CPU, else
+``kv_quant.quantize_kv`` and two ``index_copy_``), the torch path gathers the
+quantized pages and their scales and dequantizes into the model dtype before
+SDPA, and the native decode kernel reads the quantized pages in place,
+applying each row's scale to its scores and probabilities.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from kvcache.attention_metadata import (
     token_starts,
 )
 from kvcache.kv_pool import KVPool
+from kvcache.kv_quant import dequantize_kv, quantize_kv
 
 
 class _DecodeGroup:
@@ -135,13 +143,22 @@ class TorchPagedAttention(AttentionBackend):
         # slot-indexed write; they share storage with the pool's tensors.
         self._flat_k = [c.view(-1, num_kv_heads, head_dim) for c in pool.k_caches]
         self._flat_v = [c.view(-1, num_kv_heads, head_dim) for c in pool.v_caches]
+        self._flat_ks = [c.view(-1, num_kv_heads) for c in pool.k_scales or []]
+        self._flat_vs = [c.view(-1, num_kv_heads) for c in pool.v_scales or []]
         self._plan: _StepPlan | None = None
         # Gather targets reused by every layer and step (grow-only). Fresh
         # allocations past glibc's mmap threshold (32 MiB) are page-faulted
         # in on every call, which cost 10x the gather itself on a VM.
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
-        self._decode_kernel = cpu_kernels.get_paged_decode(pool.device, pool.dtype, head_dim)
+        self._decode_kernel = cpu_kernels.get_paged_decode(
+            pool.device, pool.dtype, head_dim, pool.cache_dtype
+        )
+        self._quantize_write = (
+            cpu_kernels.get_quantize_write(pool.device, pool.dtype, head_dim, pool.cache_dtype)
+            if pool.is_quantized
+            else None
+        )
 
     @property
     def uses_cpu_kernel(self) -> bool:
@@ -199,8 +216,7 @@ class TorchPagedAttention(AttentionBackend):
             k.shape,
             plan.num_tokens,
         )
-        self._flat_k[layer_id].index_copy_(0, plan.slot_mapping, k)
-        self._flat_v[layer_id].index_copy_(0, plan.slot_mapping, v)
+        self._write(layer_id, k, v, plan.slot_mapping)
         groups, decode = plan.groups, plan.decode
         if decode is None and len(groups) == 1:
             return self._attend(layer_id, q, groups[0])
@@ -215,6 +231,29 @@ class TorchPagedAttention(AttentionBackend):
             out.index_copy_(0, decode.token_index, self._decode(layer_id, q, decode))
         return out  # also the empty step's (0, heads, dim) result
 
+    def _write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the step's k and v at their slots (quantized first, for a quantized pool)."""
+        if not self.pool.is_quantized:
+            self._flat_k[layer_id].index_copy_(0, slots, k)
+            self._flat_v[layer_id].index_copy_(0, slots, v)
+            return
+        if self._quantize_write is not None:
+            self._quantize_write(
+                k, v, slots, self._flat_k[layer_id], self._flat_v[layer_id],
+                self._flat_ks[layer_id], self._flat_vs[layer_id],
+            )  # fmt: skip
+            return
+        for x, values, scales in ((k, self._flat_k, self._flat_ks), (v, self._flat_v, self._flat_vs)):
+            qx, sx = quantize_kv(x, self.pool.kv_dtype)
+            # As bytes: torch has no index_copy_ / index_select for float8 on the CPU.
+            values[layer_id].view(torch.uint8).index_copy_(0, slots, qx.view(torch.uint8))
+            scales[layer_id].index_copy_(0, slots, sx)
+
+    def _scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.pool.k_scales is None or self.pool.v_scales is None:
+            return None, None
+        return self.pool.k_scales[layer_id], self.pool.v_scales[layer_id]
+
     def _decode(self, layer_id: int, q: torch.Tensor, d: _DecodeGroup) -> torch.Tensor:
         """The native kernel over decode group ``d``; returns (seqs, heads, dim)."""
         assert self._decode_kernel is not None
@@ -222,6 +261,7 @@ class TorchPagedAttention(AttentionBackend):
         if qd.stride(-1) != 1:
             qd = qd.contiguous()
         out = qd.new_empty(qd.shape[0], self.num_heads, self.head_dim)
+        k_scales, v_scales = self._scales(layer_id)
         self._decode_kernel(
             out,
             qd,
@@ -230,7 +270,21 @@ class TorchPagedAttention(AttentionBackend):
             d.page_table,
             d.context_lens,
             self.scale,
+            k_scales,
+            v_scales,
         )
+        return out
+
+    def _gather(self, layer_id: int, pages: torch.Tensor, out: torch.Tensor, *, key: bool) -> torch.Tensor:
+        """Pages ``pages`` of layer ``layer_id``'s k (or v) cache into ``out``, in the model dtype."""
+        cache = (self.pool.k_caches if key else self.pool.v_caches)[layer_id]
+        if not self.pool.is_quantized:
+            return torch.index_select(cache, 0, pages, out=out)
+        k_scales, v_scales = self._scales(layer_id)
+        scales = k_scales if key else v_scales
+        assert scales is not None
+        stored = cache.view(torch.uint8).index_select(0, pages).view(cache.dtype)
+        out.copy_(dequantize_kv(stored, scales.index_select(0, pages), out.dtype))
         return out
 
     def _attend(self, layer_id: int, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
@@ -242,12 +296,8 @@ class TorchPagedAttention(AttentionBackend):
         assert self._k_buf is not None and self._v_buf is not None
         # Gathered pages, viewed (n, kvh, context, hd) without a copy; the
         # slice drops the last page's tail nobody may see.
-        kg = torch.index_select(
-            self.pool.k_caches[layer_id], 0, g.page_index, out=self._k_buf[:rows]
-        )
-        vg = torch.index_select(
-            self.pool.v_caches[layer_id], 0, g.page_index, out=self._v_buf[:rows]
-        )
+        kg = self._gather(layer_id, g.page_index, self._k_buf[:rows], key=True)
+        vg = self._gather(layer_id, g.page_index, self._v_buf[:rows], key=False)
         kg = kg.view(n, span, kvh, hd)[:, : g.max_context_len].transpose(1, 2)
         vg = vg.view(n, span, kvh, hd)[:, : g.max_context_len].transpose(1, 2)
         qg = q if g.q_index is None else q.index_select(0, g.q_index)

@@ -23,7 +23,7 @@ from cli.plan.hardware import (
     load_hf_config,
     read_json_file,
 )
-from cli.plan.planner import TP_DEGREES, PlanReport, plan
+from cli.plan.planner import KV_DTYPES, TP_DEGREES, PlanReport, plan
 from scheduling.errors import InvalidParameterError
 
 _GB, _GIB = 1e9, 2**30
@@ -46,8 +46,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help=f"GPU preset: {', '.join(GPUS)} (without a GPU: no fit table)")
     gpu.add_argument("--gpu-memory-gb", type=float, metavar="N", help="memory per GPU in GB (1e9 bytes)")
     p.add_argument("--dtype", choices=tuple(DTYPE_BITS), default="fp16", help="weight dtype (default fp16)")
-    p.add_argument("--kv-dtype", choices=tuple(DTYPE_BITS), default=None,
-                   help="KV-cache dtype (default: the weight dtype; fp16 for fp8/int8/int4 weights)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="KV-cache dtype (default: the weight dtype; fp16 for fp8/int8/int4 weights); "
+                        "fp8 and int8 count the engine's bf16 scale per token and head")
     p.add_argument("--context", type=int, default=4096, metavar="N",
                    help="tokens per sequence, prompt and output (default 4096)")
     p.add_argument("--batch", type=int, default=1, metavar="N", help="concurrent sequences (default 1)")

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cli.plan.hardware import DTYPE_BITS, QUANTIZED_DTYPES, ModelArch
+from kvcache.kv_dtypes import kv_bytes_per_token_head
 from scheduling.errors import InvalidParameterError
+
+# --kv-dtype names -> the engine's kv_cache_dtype when it stores one byte plus scales.
+_ENGINE_KV_DTYPES = {"int8": "int8", "fp8": "fp8_e4m3"}
+KV_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "int8")
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 
@@ -132,8 +137,17 @@ def default_kv_dtype(weight_dtype: str) -> str:
 
 
 def kv_bytes_per_token(model: ModelArch, kv_dtype: str) -> int:
-    """2 (K and V) x layers x KV heads x head_dim x bytes per element."""
-    return bytes_for(2 * model.num_layers * model.num_kv_heads * model.head_dim, kv_dtype)
+    """2 (K and V) x layers x KV heads x bytes per head: head_dim elements, plus for
+    int8 / fp8 the engine's scale per token and head (``kvcache.kv_dtypes``), so
+    the figure is what ``kv_cache_dtype`` makes the engine allocate."""
+    if kv_dtype not in KV_DTYPES:
+        raise InvalidParameterError(
+            "kv_dtype", f"the engine stores KV as {', '.join(KV_DTYPES)}; {kv_dtype!r} is not one of them"
+        )
+    heads = 2 * model.num_layers * model.num_kv_heads
+    if kv_dtype in _ENGINE_KV_DTYPES:
+        return heads * kv_bytes_per_token_head(model.head_dim, _ENGINE_KV_DTYPES[kv_dtype], 0)
+    return bytes_for(heads * model.head_dim, kv_dtype)
 
 
 def fit_on(tp: int, *, weight_bytes: int, kv_per_token: int, context: int, batch: int,

@@ -11,6 +11,14 @@
 // Vectors are GCC vector extensions of 8 floats (AVX registers under
 // -march=native, SSE or NEON pairs otherwise): head_dim % 8 == 0, <= 256.
 //
+// Quantized pools (int8 or fp8 e4m3 pages, one bf16 scale per token and kv
+// head): rows are converted to fp32 as they are loaded, the K scale of a row
+// multiplies its score (a dot product is linear in the row) and the V scale
+// its probability, so no dequantized copy is made. `quantize_write` stores a
+// step's k and v that way: per (token, kv head), scale = bf16(absmax / qmax),
+// values = round(x / scale) clamped (int8) or cast (fp8), the same arithmetic
+// as kvcache/kv_quant.py's torch reference.
+//
 // Threads: one `omp parallel` region of at::get_num_threads() threads pulls
 // items from an atomic counter (contexts differ, so static splits would
 // idle). Only GOMP_parallel and omp_get_* are used, so the extension works
@@ -19,6 +27,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -26,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -36,6 +46,7 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef int8_t v8c __attribute__((vector_size(8)));
 
 // Unaligned loads and stores (memcpy compiles to one vector move).
 inline v8f load8(const float* p) { v8f r; std::memcpy(&r, p, sizeof(r)); return r; }
@@ -44,6 +55,27 @@ inline v8f load8(const c10::BFloat16* p) {  // bf16 is the top half of a float
   std::memcpy(&h, p, sizeof(h));
   return (v8f)(__builtin_convertvector(h, v8u) << 16);
 }
+inline v8f load8(const int8_t* p) {
+  v8c c;
+  std::memcpy(&c, p, sizeof(c));
+  return __builtin_convertvector(c, v8f);
+}
+// fp8 e4m3 (no infinities) through a 256-entry table, filled once.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const Fp8Table kFp8;
+inline v8f load8(const c10::Float8_e4m3fn* p) {
+  uint8_t b[8];
+  std::memcpy(b, p, sizeof(b));
+  return v8f{kFp8.v[b[0]], kFp8.v[b[1]], kFp8.v[b[2]], kFp8.v[b[3]],
+             kFp8.v[b[4]], kFp8.v[b[5]], kFp8.v[b[6]], kFp8.v[b[7]]};
+}
+template <typename C, typename T>
+constexpr bool kQuantized = std::is_same<C, int8_t>::value || std::is_same<C, c10::Float8_e4m3fn>::value;
 inline void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 inline float hsum(v8f x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
@@ -81,6 +113,7 @@ inline v8f exp8(v8f x) {
 struct Problem {
   const void *q, *k, *v;
   void* out;
+  const c10::BFloat16 *k_scales, *v_scales;  // (P * page, KVH) for quantized pages, else null
   const int32_t *page_table, *context_lens;
   int64_t q_stride0, q_stride1, out_stride0, out_stride1, pt_stride0;
   int64_t page_size, num_kv_heads, group_size, head_dim;
@@ -89,14 +122,15 @@ struct Problem {
   // Floats of scratch for an item over `kv_heads` kv heads: q and acc
   // (heads, D), scores (heads, kBlock), running max and sum (heads,).
   int64_t workspace(int64_t kv_heads) const {
-    return kv_heads * group_size * (2 * head_dim + kBlock + 2);
+    return kv_heads * group_size * (2 * head_dim + kBlock + 2) + 2 * kv_heads * kBlock;
   }
 };
 
 // Scores of one head against a block's n K rows, into s[0, n8); padding -inf.
+// `ks` (quantized pages only): each row's K scale, multiplied into its score.
 template <typename T, int NV>
 void block_scores(const float* qf, const T* const* krow, int64_t koff, int64_t n, int64_t nv,
-                  float* s) {
+                  float* s, const float* ks) {
   v8f qv[NV > 0 ? NV : 32];
   for (int64_t j = 0; j < nv; ++j) qv[j] = load8(qf + 8 * j);
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
@@ -108,16 +142,19 @@ void block_scores(const float* qf, const T* const* krow, int64_t koff, int64_t n
       for (int64_t j = 0; j < nv; ++j) dots[i] += qv[j] * load8(kr + 8 * j);
     }
     const v8f idx = v8f{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<float>(i0);
-    store8(s + i0, idx < static_cast<float>(n) ? hsum8(dots) : splat(-INFINITY));
+    v8f sc = hsum8(dots);
+    if (ks != nullptr) sc *= load8(ks + i0);
+    store8(s + i0, idx < static_cast<float>(n) ? sc : splat(-INFINITY));
   }
 }
 
 // Online softmax over one block for one head: turns s into exp(s - m_new),
 // rescales acc and the running sum l by exp(m - m_new), then adds the block's
 // probability-weighted V rows to acc.
+// `vs` (quantized pages only): each row's V scale, folded into its probability.
 template <typename T, int NV>
 void block_update(float* s, const T* const* vrow, int64_t koff, int64_t n, int64_t nv, float* m,
-                  float* l, float* acc) {
+                  float* l, float* acc, const float* vs) {
   const int64_t n8 = (n + 7) & ~int64_t{7};
   v8f vmax = load8(s);
   for (int64_t i0 = 8; i0 < n8; i0 += 8) {
@@ -135,6 +172,8 @@ void block_update(float* s, const T* const* vrow, int64_t koff, int64_t n, int64
   }
   *l = *l * alpha + hsum(vsum);
   *m = m_new;
+  if (vs != nullptr)
+    for (int64_t i0 = 0; i0 < n8; i0 += 8) store8(s + i0, load8(s + i0) * load8(vs + i0));
   // Two accumulator sets (even and odd tokens) halve the FMA dependency chains.
   v8f a[NV > 0 ? NV : 32], b[NV > 0 ? NV : 32];
   for (int64_t j = 0; j < nv; ++j) a[j] = load8(acc + 8 * j) * alpha, b[j] = splat(0.0f);
@@ -157,8 +196,9 @@ void block_update(float* s, const T* const* vrow, int64_t koff, int64_t n, int64
 // at compile time (full unroll), 0 = read at run time. Blocks of kBlock
 // tokens: every head of the item runs over the block's rows while they sit
 // in L1, so each K/V row comes from memory once.
-template <typename T, int NV>
+template <typename T, typename C, int NV>
 void decode_item(const Problem& p, int64_t b, int64_t kv0, int64_t kv1, float* ws) {
+  constexpr bool quant = kQuantized<C, T>;
   const int64_t nv = NV > 0 ? NV : p.head_dim / 8, D = nv * 8, gs = p.group_size;
   const int64_t nh = (kv1 - kv0) * gs;  // query heads of this item
   float* qf = ws;              // (nh, D) scaled queries
@@ -166,6 +206,8 @@ void decode_item(const Problem& p, int64_t b, int64_t kv0, int64_t kv1, float* w
   float* s = acc + nh * D;     // (nh, kBlock) scores, then probabilities
   float* m = s + nh * kBlock;  // (nh,) running max
   float* l = m + nh;           // (nh,) running sum
+  float* ks = l + nh;          // (kv heads, kBlock) K scales of the block's rows (quantized)
+  float* vs = ks + (kv1 - kv0) * kBlock;  // (kv heads, kBlock) V scales
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride0 + kv0 * gs * p.q_stride1;
   for (int64_t h = 0; h < nh; ++h) {
     for (int64_t j = 0; j < nv; ++j) {
@@ -177,9 +219,9 @@ void decode_item(const Problem& p, int64_t b, int64_t kv0, int64_t kv1, float* w
   }
   const int32_t* pages = p.page_table + b * p.pt_stride0;
   const int64_t ctx = p.context_lens[b], row = p.num_kv_heads * D;  // row: token stride
-  const T* kbase = static_cast<const T*>(p.k) + kv0 * D;
-  const T* vbase = static_cast<const T*>(p.v) + kv0 * D;
-  const T *krow[kBlock], *vrow[kBlock];
+  const C* kbase = static_cast<const C*>(p.k) + kv0 * D;
+  const C* vbase = static_cast<const C*>(p.v) + kv0 * D;
+  const C *krow[kBlock], *vrow[kBlock];
   int64_t page_idx = 0, offset = 0;  // the next token's place, walked without division
   for (int64_t t0 = 0; t0 < ctx; t0 += kBlock) {
     const int64_t n = std::min(kBlock, ctx - t0);
@@ -187,12 +229,19 @@ void decode_item(const Problem& p, int64_t b, int64_t kv0, int64_t kv1, float* w
       const int64_t slot = static_cast<int64_t>(pages[page_idx]) * p.page_size + offset;
       krow[i] = kbase + slot * row;
       vrow[i] = vbase + slot * row;
+      if constexpr (quant)
+        for (int64_t c = 0; c < kv1 - kv0; ++c) {
+          ks[c * kBlock + i] = static_cast<float>(p.k_scales[slot * p.num_kv_heads + kv0 + c]);
+          vs[c * kBlock + i] = static_cast<float>(p.v_scales[slot * p.num_kv_heads + kv0 + c]);
+        }
       if (++offset == p.page_size) offset = 0, ++page_idx;
     }
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t koff = (h / gs) * D;  // this head's kv head within the rows
-      block_scores<T, NV>(qf + h * D, krow, koff, n, nv, s + h * kBlock);
-      block_update<T, NV>(s + h * kBlock, vrow, koff, n, nv, m + h, l + h, acc + h * D);
+      const float* hks = quant ? ks + (h / gs) * kBlock : nullptr;
+      const float* hvs = quant ? vs + (h / gs) * kBlock : nullptr;
+      block_scores<C, NV>(qf + h * D, krow, koff, n, nv, s + h * kBlock, hks);
+      block_update<C, NV>(s + h * kBlock, vrow, koff, n, nv, m + h, l + h, acc + h * D, hvs);
     }
   }
   T* out = static_cast<T*>(p.out) + b * p.out_stride0 + kv0 * gs * p.out_stride1;
@@ -209,7 +258,7 @@ int64_t heads_per_item(int64_t num_seqs, int64_t kv_heads, int64_t threads) {
   return 1;
 }
 
-template <typename T, int NV>
+template <typename T, typename C, int NV>
 void run(const Problem& p, int64_t num_seqs) {
   const int64_t max_threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int64_t chunk = heads_per_item(num_seqs, p.num_kv_heads, max_threads);
@@ -220,7 +269,7 @@ void run(const Problem& p, int64_t num_seqs) {
     std::vector<float> ws(p.workspace(chunk));
     for (int64_t it = next++; it < items; it = next++) {
       const int64_t kv0 = (it % per_seq) * chunk;
-      decode_item<T, NV>(p, it / per_seq, kv0, kv0 + chunk, ws.data());
+      decode_item<T, C, NV>(p, it / per_seq, kv0, kv0 + chunk, ws.data());
     }
   };
   if (threads <= 1) return drain();
@@ -228,14 +277,59 @@ void run(const Problem& p, int64_t num_seqs) {
   drain();
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_dim(const Problem& p, int64_t num_seqs) {
   switch (p.head_dim) {
-    case 32: return run<T, 4>(p, num_seqs);
-    case 64: return run<T, 8>(p, num_seqs);
-    case 128: return run<T, 16>(p, num_seqs);
-    default: return run<T, 0>(p, num_seqs);
+    case 32: return run<T, C, 4>(p, num_seqs);
+    case 64: return run<T, C, 8>(p, num_seqs);
+    case 128: return run<T, C, 16>(p, num_seqs);
+    default: return run<T, C, 0>(p, num_seqs);
   }
+}
+
+template <typename T>
+void dispatch_cache(const Problem& p, int64_t num_seqs, at::ScalarType cache) {
+  if (cache == at::kChar) return dispatch_head_dim<T, int8_t>(p, num_seqs);
+  if (cache == at::kFloat8_e4m3fn) return dispatch_head_dim<T, c10::Float8_e4m3fn>(p, num_seqs);
+  return dispatch_head_dim<T, T>(p, num_seqs);
+}
+
+// One (token, kv head) row: scale = bf16(absmax / qmax); values = x / scale,
+// rounded half to even and clamped (int8) or clamped and cast (fp8).
+template <typename T, typename C>
+void quantize_row(const T* x, int64_t D, C* out, c10::BFloat16* scale) {
+  constexpr bool is_int8 = std::is_same<C, int8_t>::value;
+  constexpr float qmax = is_int8 ? 127.0f : 448.0f;
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const c10::BFloat16 s(std::max(amax / qmax, 1e-30f));
+  *scale = s;
+  const float sf = static_cast<float>(s);
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = std::min(std::max(static_cast<float>(x[d]) / sf, -qmax), qmax);
+    if constexpr (is_int8) out[d] = static_cast<int8_t>(std::nearbyint(y));
+    else out[d] = C(y);
+  }
+}
+
+template <typename T, typename C>
+void quantize_write_impl(const torch::Tensor& k, const torch::Tensor& v, const int64_t* slots,
+                         torch::Tensor& kc, torch::Tensor& vc, torch::Tensor& ks, torch::Tensor& vs) {
+  const int64_t T_ = k.size(0), KVH = k.size(1), D = k.size(2);
+  const T* kp = static_cast<const T*>(k.data_ptr());
+  const T* vp = static_cast<const T*>(v.data_ptr());
+  C* kcp = static_cast<C*>(kc.data_ptr());
+  C* vcp = static_cast<C*>(vc.data_ptr());
+  auto* ksp = static_cast<c10::BFloat16*>(ks.data_ptr());
+  auto* vsp = static_cast<c10::BFloat16*>(vs.data_ptr());
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+  at::parallel_for(0, T_ * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / KVH, h = i % KVH, dst = slots[t] * KVH + h;
+      quantize_row<T, C>(kp + t * k0 + h * k1, D, kcp + dst * D, ksp + dst);
+      quantize_row<T, C>(vp + t * v0 + h * v1, D, vcp + dst * D, vsp + dst);
+    }
+  });
 }
 
 }  // namespace
@@ -244,15 +338,30 @@ void dispatch_head_dim(const Problem& p, int64_t num_seqs) {
 // (P, page, KVH, D) contiguous; page_table: (B, max_pages) and context_lens:
 // (B,), int32 or int64, each context in [1, max_pages * page]. Head h uses
 // kv head h / (H / KVH). Every index is checked before any is followed.
+// Quantized pools: k_cache/v_cache int8 or float8_e4m3fn and k_scales/v_scales
+// (P, page, KVH) bfloat16; otherwise the caches are in q's dtype and the
+// scales None.
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor page_table,
-                  torch::Tensor context_lens, double scale) {
+                  torch::Tensor context_lens, double scale,
+                  c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   const auto dtype = q.scalar_type();
+  const auto cache = k_cache.scalar_type();
+  const bool quant = cache == at::kChar || cache == at::kFloat8_e4m3fn;
   for (const auto* t : {&out, &q, &k_cache, &v_cache, &page_table, &context_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_decode: every tensor must be on the CPU");
-  for (const auto* t : {&out, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
-                "paged_decode: out, q, k_cache, v_cache must all be float32 or all bfloat16");
+  TORCH_CHECK(out.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "paged_decode: out and q must both be float32 or both bfloat16");
+  TORCH_CHECK(v_cache.scalar_type() == cache && (quant || cache == dtype),
+              "paged_decode: k_cache and v_cache must be in q's dtype, or both int8 / float8_e4m3fn");
+  TORCH_CHECK(quant == (k_scales.has_value() && v_scales.has_value()),
+              "paged_decode: k_scales and v_scales are required with quantized caches, and only then");
+  if (quant)
+    for (const auto* t : {&*k_scales, &*v_scales})
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->dim() == 3 &&
+                      t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1) &&
+                      t->size(2) == k_cache.size(2),
+                  "paged_decode: scales must be contiguous bfloat16 (P, page, KVH)");
   for (const auto* t : {&page_table, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong,
                 "paged_decode: page_table and context_lens must be int32 or int64");
@@ -284,13 +393,56 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   "paged_decode: page_table[", b, "][", j, "] = ", pt_data[b * max_pages + j],
                   " outside [0, ", P, ")");
   }
-  const Problem p{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+  const auto* ksd = quant ? static_cast<const c10::BFloat16*>(k_scales->data_ptr()) : nullptr;
+  const auto* vsd = quant ? static_cast<const c10::BFloat16*>(v_scales->data_ptr()) : nullptr;
+  const Problem p{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ksd, vsd,
                   pt_data, ctx_data, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                   max_pages, page, KVH, H / KVH, D, static_cast<float>(scale)};
-  dtype == at::kFloat ? dispatch_head_dim<float>(p, B) : dispatch_head_dim<c10::BFloat16>(p, B);
+  dtype == at::kFloat ? dispatch_cache<float>(p, B, cache) : dispatch_cache<c10::BFloat16>(p, B, cache);
+}
+
+// k, v: (T, KVH, D) float32 or bfloat16, last dim contiguous; slots: (T,) int64;
+// k_cache/v_cache: (slots, KVH, D) int8 or float8_e4m3fn; k_scales/v_scales:
+// (slots, KVH) bfloat16; all contiguous but k and v. Every slot is checked.
+void quantize_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots, torch::Tensor k_cache,
+                    torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales) {
+  const auto dtype = k.scalar_type(), cache = k_cache.scalar_type();
+  for (const auto* t : {&k, &v, &slots, &k_cache, &v_cache, &k_scales, &v_scales})
+    TORCH_CHECK(t->device().is_cpu(), "quantize_write: every tensor must be on the CPU");
+  TORCH_CHECK(v.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "quantize_write: k and v must both be float32 or both bfloat16");
+  TORCH_CHECK(v_cache.scalar_type() == cache && (cache == at::kChar || cache == at::kFloat8_e4m3fn),
+              "quantize_write: caches must both be int8 or both float8_e4m3fn");
+  TORCH_CHECK(k_scales.scalar_type() == at::kBFloat16 && v_scales.scalar_type() == at::kBFloat16,
+              "quantize_write: scales must be bfloat16");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "quantize_write: k and v must be (T, KVH, D) with a contiguous last dim");
+  for (const auto* t : {&k_cache, &v_cache, &k_scales, &v_scales})
+    TORCH_CHECK(t->is_contiguous(), "quantize_write: caches and scales must be contiguous");
+  const int64_t T_ = k.size(0), KVH = k.size(1), D = k.size(2), S = k_cache.size(0);
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == KVH && k_cache.size(2) == D &&
+                  v_cache.sizes() == k_cache.sizes() && k_scales.dim() == 2 &&
+                  k_scales.size(0) == S && k_scales.size(1) == KVH &&
+                  v_scales.sizes() == k_scales.sizes(),
+              "quantize_write: cache shapes must be (slots, KVH, D) and scales (slots, KVH)");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T_, "quantize_write: slots must be (T,)");
+  const auto sl = slots.to(at::kLong).contiguous();
+  const int64_t* sd = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(sd[t] >= 0 && sd[t] < S, "quantize_write: slot ", sd[t], " outside [0, ", S, ")");
+  if (dtype == at::kFloat)
+    cache == at::kChar ? quantize_write_impl<float, int8_t>(k, v, sd, k_cache, v_cache, k_scales, v_scales)
+                       : quantize_write_impl<float, c10::Float8_e4m3fn>(k, v, sd, k_cache, v_cache, k_scales, v_scales);
+  else
+    cache == at::kChar ? quantize_write_impl<c10::BFloat16, int8_t>(k, v, sd, k_cache, v_cache, k_scales, v_scales)
+                       : quantize_write_impl<c10::BFloat16, c10::Float8_e4m3fn>(k, v, sd, k_cache, v_cache, k_scales, v_scales);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention into out, in place",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_write", &quantize_write, "Quantize k and v per token and head into their slots",
         py::call_guard<py::gil_scoped_release>());
 }

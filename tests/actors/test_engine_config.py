@@ -39,3 +39,34 @@ def test_auto_and_torch_resolve_to_the_torch_backend_that_runs(asked: str) -> No
                   dtype=torch.float32, device=torch.device("cpu"))
     backend = make_attention_backend(config, pool, num_heads=2, num_kv_heads=1, head_dim=8)
     assert isinstance(backend, TorchPagedAttention)
+
+
+def test_kv_cache_dtype_names_are_vllms_and_fp8_is_e4m3() -> None:
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert EngineConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
+    assert EngineConfig().kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
+        ({"quantization": "awq"}, "quantization"),
+        ({"quantization_group_size": 32}, "quantization_group_size"),
+        ({"quantization": "int8", "quantization_group_size": 32}, "quantization_group_size"),
+        ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size"),
+    ],
+)
+def test_quantization_options_are_refused_by_name(options: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        EngineConfig(**options)  # type: ignore[arg-type]
+    assert err.value.param == param
+
+
+@pytest.mark.parametrize(("options", "param"), [({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+                                                 ({"quantization": "int4"}, "quantization")])
+def test_quantization_on_cuda_is_refused_by_name(options: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        EngineConfig(device="cuda", **options)  # type: ignore[arg-type]
+    assert err.value.param == param and "CPU only" in err.value.message

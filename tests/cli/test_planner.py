@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli.main import main
 from cli.plan.hardware import MODELS, get_model, load_hf_config
@@ -18,6 +19,8 @@ from cli.plan.planner import (
     kv_bytes_per_token,
     plan,
 )
+from kvcache.kv_pool import KVPool
+from scheduling.errors import InvalidParameterError
 
 GIB = 2**30
 A100_80G = 80 * 10**9
@@ -100,7 +103,23 @@ def test_kv_dtype_defaults_and_override() -> None:
     assert kv_of("bf16") == ("bf16", per_elem * 2)
     assert kv_of("fp32") == ("fp32", per_elem * 4)
     assert kv_of("int8") == kv_of("int4") == ("fp16", per_elem * 2)
-    assert kv_of("int4", "int8") == ("int8", per_elem)
+    scales = 2 * 32 * 8 * 2  # K and V, layers, KV heads, one bf16 scale
+    assert kv_of("int4", "int8") == ("int8", per_elem + scales)
+    assert kv_of("bf16", "fp8") == ("fp8", per_elem + scales)
+    with pytest.raises(InvalidParameterError) as err:
+        kv_of("bf16", "int4")  # the engine has no int4 KV cache
+    assert err.value.param == "kv_dtype"
+
+
+@pytest.mark.parametrize(("plan_name", "engine_name"), [("fp32", "auto"), ("int8", "int8"), ("fp8", "fp8")])
+def test_kv_bytes_match_what_the_engine_allocates(plan_name: str, engine_name: str) -> None:
+    model = get_model("llama-3-8b")
+    pool = KVPool(num_layers=model.num_layers, num_pages=2, page_size=4, num_kv_heads=model.num_kv_heads,
+                  head_dim=model.head_dim, dtype=torch.float32, kv_dtype=engine_name)
+    tensors = [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    assert allocated == pool.total_bytes
+    assert kv_bytes_per_token(model, plan_name) == allocated // pool.num_tokens
 
 
 def test_max_num_seqs_per_tp() -> None:

@@ -57,3 +57,17 @@ def test_speculative_config_reaches_the_engine_and_bad_json_is_refused_before_ra
     with pytest.raises(InvalidParameterError) as err:
         build_app(_args("--model", "tiny", "--speculative-config", '{"method": "ngram"}'))
     assert err.value.param == "speculative_config"
+
+
+def test_quantization_flags_reach_the_engine_and_bad_combinations_are_refused_by_name() -> None:
+    args = _args("--model", "tiny", "--kv-cache-dtype", "fp8", "--quantization", "int4",
+                 "--quantization-group-size", "32")
+    assert (args["kv_cache_dtype"], args["quantization"], args["quantization_group_size"]) == ("fp8", "int4", 32)
+    build_app(args)
+    plain = _args("--model", "tiny")
+    assert not {"kv_cache_dtype", "quantization", "quantization_group_size"} & set(plain)
+    with pytest.raises(InvalidParameterError) as err:
+        build_app(_args("--model", "tiny", "--quantization", "int8", "--quantization-group-size", "32"))
+    assert err.value.param == "quantization_group_size"
+    with pytest.raises(SystemExit):
+        _args("--model", "tiny", "--kv-cache-dtype", "int4")

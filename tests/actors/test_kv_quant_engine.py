@@ -97,3 +97,16 @@ def test_the_start_up_report_names_the_kv_dtype(model_dir: Path, caplog: pytest.
     assert "int8 + bf16 scales per token and head" in line
     assert f"{pool.total_bytes / 2**20:.1f} MiB" in line
     llm.shutdown()
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_speculative_decoding_on_quantized_pages_keeps_the_tokens(
+    model_dir: Path, references: dict[str, list[list[int]]], kv: str
+) -> None:
+    spec = {"method": "draft", "layers": 1, "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    llm = LLM(str(model_dir), **ENGINE, kv_cache_dtype=kv, speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == references[kv]
+    assert llm.engine.scheduler.stats.spec_num_drafts > 0
+    assert_pages_free(llm)
+    llm.shutdown()

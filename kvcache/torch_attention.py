@@ -56,7 +56,7 @@ from kvcache.attention_metadata import (
     token_starts,
 )
 from kvcache.kv_pool import KVPool
-from kvcache.kv_quant import dequantize_kv, quantize_kv
+from kvcache.kv_quant import quantize_kv
 
 
 class _DecodeGroup:
@@ -283,9 +283,10 @@ class TorchPagedAttention(AttentionBackend):
         k_scales, v_scales = self._scales(layer_id)
         scales = k_scales if key else v_scales
         assert scales is not None
-        stored = cache.view(torch.uint8).index_select(0, pages).view(cache.dtype)
-        out.copy_(dequantize_kv(stored, scales.index_select(0, pages), out.dtype))
-        return out
+        # kv_quant.dequantize_kv's arithmetic without its temporaries: the stored values
+        # convert exactly (int8 and e4m3 fit in bfloat16), then one product, rounded once.
+        out.copy_(cache.view(torch.uint8).index_select(0, pages).view(cache.dtype))
+        return out.mul_(scales.index_select(0, pages).unsqueeze(-1))
 
     def _attend(self, layer_id: int, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         """One padded SDPA over group ``g``; returns its real rows (tokens, heads, dim)."""

@@ -4,6 +4,12 @@
 model name (``tiny``, ``small``), a preset (``smollm2-135m``) or a hub id.
 GGUF files and presets are converted once into a folder in the model cache. Weights are read tensor by tensor from
 safetensors files (single or sharded), falling back to ``pytorch_model*.bin``.
+
+``quantization`` (``actors.quant.plan``): ``int8`` and ``int4`` quantize the
+linear layers (and the LM head, int8) once loaded, freeing their float
+weights; ``int4`` on a folder converted from a Q4_0/Q4_1 GGUF file reads the
+file's blocks directly; a compressed-tensors checkpoint loads its int4 codes
+as they are.
 """
 
 from __future__ import annotations
@@ -23,14 +29,21 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from actors.embedded_models import EMBEDDED_MODELS, ensure_embedded_model
+from actors.gguf import q4_blocks
 from actors.gguf.convert import ensure_gguf_folder
+from actors.log import get_logger
 from actors.models.llama import LlamaForCausalLM
+from actors.models.quant_linear import Int4Codes
 from actors.models.registry import resolve_architecture
 from actors.presets import PRESETS, ensure_preset
+from actors.quant import compressed_tensors
+from actors.quant.plan import QuantPlan, resolve_plan
 from scheduling.errors import InvalidParameterError
 
 # Files a hub download needs; skips e.g. original/*.pth consolidated copies.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+logger = get_logger("loader")
 
 
 class ModelNotFoundError(InvalidParameterError):
@@ -42,11 +55,18 @@ class ModelNotFoundError(InvalidParameterError):
 
 @dataclass
 class LoadedModel:
-    """A model ready for inference plus where it came from."""
+    """A model ready for inference plus where it came from.
+
+    ``weight_bytes``: bytes of every parameter and quantized buffer (what the
+    weights occupy, after quantization); ``weights``: how they are stored,
+    e.g. ``float32`` or ``int4, group 32, ...``.
+    """
 
     model: LlamaForCausalLM
     hf_config: PretrainedConfig
     path: Path
+    weight_bytes: int
+    weights: str
 
 
 def resolve_model_path(model: str) -> Path:
@@ -104,8 +124,10 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
-def iter_checkpoint(files: list[Path], *, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, cpu_tensor)`` from every file, one tensor at a time.
+def iter_checkpoint(
+    files: list[Path], *, progress: bool | None = None, skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` from every file, one tensor at a time; names in ``skip`` are not read.
 
     The progress bar ticks once per tensor; by default it shows only on a terminal.
     """
@@ -119,13 +141,16 @@ def iter_checkpoint(files: list[Path], *, progress: bool | None = None) -> Itera
                     names = list(f.keys())
                     bar.total = (bar.total or 0) + len(names)
                     for name in names:
-                        yield name, f.get_tensor(name)
+                        if name not in skip:
+                            yield name, f.get_tensor(name)
                         bar.update(1)
             else:
                 state: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
                 bar.total = (bar.total or 0) + len(state)
                 for name in list(state):
-                    yield name, state.pop(name)  # pop: free each tensor once copied
+                    tensor = state.pop(name)  # pop: free each tensor once copied
+                    if name not in skip:
+                        yield name, tensor
                     bar.update(1)
 
 
@@ -148,12 +173,19 @@ def load_model(
     rank: int = 0,
     world_size: int = 1,
     progress: bool | None = None,
+    quantization: str | None = None,
+    quantization_group_size: int | None = None,
 ) -> LoadedModel:
     """Build ``model``'s tensor-parallel shard ``rank`` of ``world_size`` and load its weights.
 
     Parameters are allocated directly on ``device`` in ``dtype``; each
     checkpoint tensor is copied (and converted) into place as it is read.
-    Raises ``UnsupportedModelError`` or ``ModelNotFoundError`` (``param="model"``).
+    ``quantization`` (None, ``int8``, ``int4``, ``compressed-tensors``) and
+    ``quantization_group_size`` (int4) follow ``actors.quant.plan``: the
+    quantized layers keep no float weight. Raises ``UnsupportedModelError`` or
+    ``ModelNotFoundError`` (``param="model"``), and ``InvalidParameterError``
+    naming ``quantization``/``quantization_group_size`` for combinations that
+    cannot load.
     """
     path = resolve_model_path(model)
     config_file = path / "config.json"
@@ -161,13 +193,35 @@ def load_model(
         raise ModelNotFoundError(f"{path} has no config.json; is it a Hugging Face model folder?")
     raw: dict[str, Any] = json.loads(config_file.read_text())
     cls = resolve_architecture(raw)  # before AutoConfig, which fails unclearly on unknown types
+    plan = resolve_plan(path, raw, quantization, quantization_group_size, device)
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     files = checkpoint_files(path)
     with torch.device(device), _default_dtype(dtype):
         llm = cls(hf_config, max_model_len=max_model_len, tp_rank=rank, tp_size=world_size)
+    plan.check_model(llm)
     with torch.no_grad():
-        llm.load_weights(iter_checkpoint(files, progress=progress))
-    return LoadedModel(model=llm.eval(), hf_config=hf_config, path=path)
+        llm.load_weights(_weights(plan, files, llm, progress))
+        if plan.method is not None and plan.source != compressed_tensors.QUANT_METHOD:
+            llm.quantize_weights(plan.method, plan.group_size)
+    loaded = LoadedModel(model=llm.eval(), hf_config=hf_config, path=path, weight_bytes=llm.weight_bytes(),
+                         weights=plan.describe(dtype))
+    if rank == 0:
+        logger.info("weights: %.1f MiB (%s)", loaded.weight_bytes / 2**20, loaded.weights)
+    return loaded
+
+
+def _weights(
+    plan: QuantPlan, files: list[Path], llm: LlamaForCausalLM, progress: bool | None
+) -> Iterator[tuple[str, torch.Tensor | Int4Codes]]:
+    """The checkpoint's tensors, with quantized weights as ``Int4Codes`` where the plan reads them directly."""
+    if plan.ct_scheme is not None:
+        yield from compressed_tensors.iter_int4_weights(iter_checkpoint(files, progress=progress), plan.ct_scheme)
+        return
+    # The float copies of the linears read from GGUF blocks are never read.
+    yield from iter_checkpoint(files, progress=progress, skip=frozenset(plan.gguf_tensors))
+    yield from q4_blocks.iter_int4_weights(
+        plan.gguf_tensors, num_heads=llm.args.num_heads, num_kv_heads=llm.args.num_kv_heads
+    )
 
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:

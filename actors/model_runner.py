@@ -127,6 +127,7 @@ class ModelRunner:
         loaded = load_model(
             config.model, dtype=self.dtype, device=self.device,
             max_model_len=config.max_model_len, rank=rank, world_size=world_size,
+            quantization=config.quantization, quantization_group_size=config.quantization_group_size,
         )
         self.model = loaded.model
         if self.device.type == "cpu":

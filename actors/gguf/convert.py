@@ -73,8 +73,12 @@ def hf_name(gguf_name: str) -> str:
     raise GGUFError(f"tensor {gguf_name!r} has no Llama counterpart; flotilla cannot load it")
 
 
-def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (its converter interleaves each head's rotary halves)."""
+def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (its converter interleaves each head's rotary halves).
+
+    It moves whole rows, so it applies as well to per-row block data (int4
+    codes, per-group scales) as to the dequantized weight.
+    """
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -127,9 +131,9 @@ def iter_hf_tensors(g: GGUFFile, config: LlamaConfig, *, progress: bool) -> Iter
     for t in bar:
         w = dequantize(t)
         if t.name.endswith("attn_q.weight"):
-            w = _unpermute(w, heads)
+            w = unpermute_rows(w, heads)
         elif t.name.endswith("attn_k.weight"):
-            w = _unpermute(w, kv_heads)
+            w = unpermute_rows(w, kv_heads)
         yield hf_name(t.name), w
 
 

@@ -9,9 +9,7 @@ ever called, so a single process needs no ``torch.distributed`` setup.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from typing import Any
+from abc import ABCMeta, abstractmethod
 
 import torch
 import torch.distributed as dist
@@ -19,6 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.models import cpu_linear
+from actors.models.embedding import ParallelLMHead as ParallelLMHead
+from actors.models.embedding import VocabParallelEmbedding as VocabParallelEmbedding
+from actors.models.quant_linear import (
+    INT4_OUT_MULTIPLE,
+    Int4Codes,
+    Int4Linear,
+    Int4Staging,
+    Int8Linear,
+    QuantizedLinear,
+)
+from actors.models.rotary import RotaryEmbedding as RotaryEmbedding
+from actors.models.rotary import apply_rotary as apply_rotary
+from actors.models.rotary import rope_inv_freq as rope_inv_freq
 from scheduling.errors import InvalidParameterError
 
 
@@ -49,72 +60,6 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies (float32, ``head_dim // 2``) for RoPE, with llama3 scaling.
-
-    ``scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict or None.
-    Only ``default`` and ``llama3`` are implemented; anything else raises, since
-    silently ignoring a scaling scheme produces a model that only looks right.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return inv_freq
-    if rope_type != "llama3":
-        raise InvalidParameterError(
-            "model", f"rope type {rope_type!r} is not supported (supported: 'default', 'llama3')"
-        )
-    assert scaling is not None
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between
-    # interpolated smoothly (Llama 3.1 reference implementation).
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with cos/sin tables built once up to ``max_positions``.
-
-    Tables stay float32 whatever the model dtype, and are cast per step, which
-    rounds exactly as HF does (it computes in float32 and casts to the input dtype).
-    """
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_positions: int,
-        theta: float,
-        scaling: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.to(t.device))
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim), HF layout
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather (T, head_dim) cos and sin for ``positions``; do this once per step."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (T, heads, head_dim) by gathered cos/sin (T, head_dim), HF's half-split layout."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-
 def _divide(total: int, tp_size: int, what: str) -> int:
     if total % tp_size:
         raise InvalidParameterError(
@@ -123,27 +68,105 @@ def _divide(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
-class ParallelLinear(nn.Module):
-    """Shared storage of the linear layers: an (out, in) weight and optional bias."""
+class ParallelLinear(nn.Module, metaclass=ABCMeta):
+    """Shared storage of the linear layers: an (out, in) weight and optional bias.
+
+    Subclasses say which rows or columns of a full checkpoint tensor this rank
+    keeps (``_copy_shard``) and which parts a fused weight is made of
+    (``shard_ids``). The same slicing applies to the codes, scales and zeros of
+    an ``Int4Codes`` weight read directly from a quantized file; the layer
+    packs it once every part has arrived. Quantized (``quant`` set), the float
+    ``weight`` is an empty tensor and its memory is freed.
+    """
+
+    shard_ids: tuple[str | int | None, ...] = (None,)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.in_features, self.out_features = in_features, out_features  # this rank's
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # the oneDNN-packed weight, once pack_for_cpu() ran
+        self.quant: QuantizedLinear | None = None
+        self._staged: Int4Staging | None = None
 
     def _param(self, param_name: str) -> nn.Parameter:
         param = getattr(self, param_name)
         assert isinstance(param, nn.Parameter), f"no parameter {param_name!r}"
         return param
 
+    @abstractmethod
+    def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        """Copy this rank's part of full tensor ``loaded`` (rows, or columns for row-parallel) into ``dst``."""
+
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor | Int4Codes, shard_id: str | int | None = None
+    ) -> None:
+        """Load full tensor ``loaded`` (part ``shard_id`` of a fused weight); keep this rank's slice."""
+        if isinstance(loaded, Int4Codes):
+            assert param_name == "weight", param_name
+            self._stage_int4(loaded, shard_id)
+            return
+        self._copy_shard(self._param(param_name).data, loaded, shard_id)
+
+    def _stage_int4(self, loaded: Int4Codes, shard_id: str | int | None) -> None:
+        if self._staged is None:
+            self.check_int4(loaded.group_size)
+            self._staged = Int4Staging.allocate(self.out_features, self.in_features, loaded.group_size)
+        staged = self._staged
+        assert staged.group_size == loaded.group_size, (staged.group_size, loaded.group_size)
+        for dst, src in zip(staged.codes.parts(), loaded.parts(), strict=True):
+            self._copy_shard(dst, src, shard_id)
+        staged.arrived.add(shard_id)
+        if staged.arrived == set(self.shard_ids):
+            self._staged = None
+            self.set_quant(Int4Linear(staged.codes))
+
+    def check_int4(self, group_size: int) -> None:
+        """Raise ``InvalidParameterError`` unless this rank's weight fits the int4 kernel."""
+        if self.in_features % group_size:
+            split = f" (its input split over tensor_parallel_size={self.tp_size})" if self.tp_size > 1 else ""
+            raise InvalidParameterError(
+                "quantization_group_size",
+                f"int4 groups of {group_size} do not divide a linear layer's {self.in_features} "
+                f"input features{split}; choose a group size that does",
+            )
+        if self.out_features % INT4_OUT_MULTIPLE:
+            raise InvalidParameterError(
+                "quantization",
+                f"int4 needs out_features divisible by {INT4_OUT_MULTIPLE}; a linear layer has {self.out_features}",
+            )
+
+    def quantize(self, method: str, group_size: int | None) -> None:
+        """Quantize the loaded float weight (``int8`` or ``int4``) unless it was loaded quantized."""
+        if self.quant is not None:
+            return
+        assert self._staged is None, "an int4 weight is still missing parts"
+        if method == "int8":
+            self.set_quant(Int8Linear.from_float(self.weight.data))
+        elif method == "int4":
+            assert group_size is not None
+            self.check_int4(group_size)
+            self.set_quant(Int4Linear.from_float(self.weight.data, group_size))
+        else:
+            raise AssertionError(f"unknown quantization method {method!r}")
+
+    def set_quant(self, quant: QuantizedLinear) -> None:
+        """Compute through ``quant`` from now on and free the float weight."""
+        assert (quant.out_features, quant.in_features) == (self.out_features, self.in_features)
+        self.quant, self.packed = quant, None
+        self.weight = nn.Parameter(self.weight.new_empty(0, self.in_features), requires_grad=False)
+
     def pack_for_cpu(self) -> bool:
         """Add a oneDNN-packed copy of the loaded weight (``cpu_linear``); False keeps it dense only.
 
         The dense weight stays too: products of at most ``cpu_linear.DENSE_MAX_ROWS``
         rows (batch-1 decode) read it through MKL, which streams it faster.
+        A quantized layer has no float weight to pack: False.
         """
+        if self.quant is not None:
+            return False
         bias = self.bias.data if self.bias is not None else None
         packed = cpu_linear.pack(self.weight.data, bias)
         if packed is None:
@@ -152,6 +175,9 @@ class ParallelLinear(nn.Module):
         return True
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)
+            return y if bias is None else y + bias
         if self.packed is not None and x.shape[0] > cpu_linear.DENSE_MAX_ROWS:
             return cpu_linear.linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
@@ -169,11 +195,10 @@ class ColumnParallelLinear(ParallelLinear):
         out = _divide(out_features, tp_size, "output features")
         super().__init__(in_features, out, bias, tp_rank, tp_size)
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Keep rows ``rank*n .. (rank+1)*n`` of the full tensor."""
-        param = self._param(param_name)
-        n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+        n = dst.shape[0]
+        dst.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
 
 class MergedColumnParallelLinear(ParallelLinear):
@@ -182,19 +207,20 @@ class MergedColumnParallelLinear(ParallelLinear):
     Shard ``i`` of the rank's output holds this rank's slice of projection ``i``.
     """
 
+    shard_ids = (0, 1)
+
     def __init__(
         self, in_features: int, out_features: list[int], *, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
     ) -> None:
         self.shard_sizes = [_divide(o, tp_size, "output features") for o in out_features]
         super().__init__(in_features, sum(self.shard_sizes), bias, tp_rank, tp_size)
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Load full projection number ``shard_id`` into its place in the fused weight."""
         assert isinstance(shard_id, int)
-        param = self._param(param_name)
         n = self.shard_sizes[shard_id]
         offset = sum(self.shard_sizes[:shard_id])
-        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+        dst.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
 
 
 class QKVParallelLinear(ParallelLinear):
@@ -203,6 +229,8 @@ class QKVParallelLinear(ParallelLinear):
     With fewer KV heads than ranks, each KV head is replicated on
     ``tp_size // num_kv_heads`` consecutive ranks (each rank then holds one).
     """
+
+    shard_ids = ("q", "k", "v")
 
     def __init__(
         self,
@@ -227,15 +255,14 @@ class QKVParallelLinear(ParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out, bias, tp_rank, tp_size)
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Load the full ``q``, ``k`` or ``v`` tensor (``shard_id``); keep this rank's heads."""
-        param = self._param(param_name)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q_size), loaded.narrow(0, self.tp_rank * q_size, q_size)
+            dst, src = dst.narrow(0, 0, q_size), loaded.narrow(0, self.tp_rank * q_size, q_size)
         elif shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
-            dst = param.data.narrow(0, offset, kv_size)
+            dst = dst.narrow(0, offset, kv_size)
             src = loaded.narrow(0, self.kv_head_start * self.head_dim, kv_size)
         else:
             raise AssertionError(f"bad qkv shard id {shard_id!r}")
@@ -253,14 +280,21 @@ class RowParallelLinear(ParallelLinear):
     ) -> None:
         super().__init__(_divide(in_features, tp_size, "input features"), out_features, bias, tp_rank, tp_size)
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def load_weight(
+        self, param_name: str, loaded: torch.Tensor | Int4Codes, shard_id: str | int | None = None
+    ) -> None:
         """Keep columns ``rank*n .. (rank+1)*n`` of the weight; the bias is whole."""
-        param = self._param(param_name)
         if param_name == "bias":
-            param.data.copy_(loaded)
+            assert isinstance(loaded, torch.Tensor)
+            self._param("bias").data.copy_(loaded)
             return
-        n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+        super().load_weight(param_name, loaded, shard_id)
+
+    def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        # Also the (N, K / group) scales and zeros of int4 codes: check_int4 made
+        # the rank's K a whole number of groups, so the same rank offset holds.
+        n = dst.shape[1]
+        dst.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -268,43 +302,3 @@ class RowParallelLinear(ParallelLinear):
         y = self._linear(x, None)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding with the vocabulary split in equal contiguous ranges across ranks.
-
-    The vocab is padded up to a multiple of ``tp_size``; padding rows stay zero.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__()
-        self.num_embeddings, self.tp_rank, self.tp_size = num_embeddings, tp_rank, tp_size
-        self.num_per_rank = -(-num_embeddings // tp_size)
-        self.vocab_start = tp_rank * self.num_per_rank
-        self.weight = nn.Parameter(torch.zeros(self.num_per_rank, embedding_dim), requires_grad=False)
-
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        """Keep this rank's vocab rows of the full (vocab, dim) tensor."""
-        n = max(0, min(self.num_per_rank, self.num_embeddings - self.vocab_start))
-        self.weight.data.narrow(0, 0, n).copy_(loaded.narrow(0, self.vocab_start, n))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        mask = (local >= 0) & (local < self.num_per_rank)
-        y = F.embedding(local.masked_fill(~mask, 0), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(y)
-        return y
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection onto the vocab; each rank computes its range, then all-gather."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
-        return logits[..., : self.num_embeddings]

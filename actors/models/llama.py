@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 
 from actors.models.layers import (
     MergedColumnParallelLinear,
+    ParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
@@ -28,6 +29,7 @@ from actors.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
+from actors.models.quant_linear import Int4Codes, Int8Linear
 from kvcache.attention_backend import AttentionBackend
 from scheduling.errors import InvalidParameterError
 
@@ -189,7 +191,7 @@ class LlamaModel(nn.Module):
 
 
 # HF checkpoint name fragment -> (our fused module fragment, shard id).
-_FUSED: dict[str, tuple[str, str | int]] = {
+FUSED_CHECKPOINT_NAMES: dict[str, tuple[str, str | int]] = {
     ".q_proj.": (".qkv_proj.", "q"),
     ".k_proj.": (".qkv_proj.", "k"),
     ".v_proj.": (".qkv_proj.", "v"),
@@ -250,11 +252,13 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits (N, vocab) for the rows of ``hidden`` that will be sampled."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Codes]]) -> set[str]:
         """Copy HF-named full tensors into this rank's shards; return our loaded names.
 
-        Raises ``ValueError`` for a name the model has no place for, and for
-        parameters the checkpoint never provided.
+        A linear weight may come as ``Int4Codes`` (read quantized from the file):
+        the layer then packs it and keeps no float weight. Raises ``ValueError``
+        for a name the model has no place for, and for parameters the
+        checkpoint never provided.
         """
         params = dict(self.named_parameters())
         loaded: set[tuple[str, str | int | None]] = set()
@@ -264,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
             if hf_name.startswith("lm_head.") and self.args.tie_word_embeddings:
                 continue  # the head is the embedding
             name, shard_id = hf_name, None
-            for hf_part, (ours, sid) in _FUSED.items():
+            for hf_part, (ours, sid) in FUSED_CHECKPOINT_NAMES.items():
                 if hf_part in hf_name:
                     name, shard_id = hf_name.replace(hf_part, ours), sid
                     break
@@ -276,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
             if loader is not None:
                 loader(param_name, tensor, shard_id)
             else:
+                assert isinstance(tensor, torch.Tensor), f"{hf_name} cannot load quantized"
                 params[name].data.copy_(tensor)
             loaded.add((name, shard_id))
         # A fused parameter is complete only once every one of its parts arrived.
@@ -285,10 +290,34 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
         return {n for n, _ in loaded}
 
+    def quantize_weights(self, method: str, group_size: int | None) -> None:
+        """Quantize every linear layer still holding a float weight, and the LM head to int8.
+
+        ``method`` is ``int8`` (per output channel) or ``int4`` (groups of
+        ``group_size``). The head is int8 per vocab row with either method (int4
+        is the linears'); a tied embedding then reads the same int8 rows. Each
+        float weight is freed once replaced.
+        """
+        for module in self.modules():
+            if isinstance(module, ParallelLinear):
+                module.quantize(method, group_size)
+        head = Int8Linear.from_float(self.lm_head.weight.data)
+        self.lm_head.set_quant(head)
+        if self.args.tie_word_embeddings:
+            self.model.embed_tokens.set_quant(head)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter and quantized buffer (not the RoPE tables), each counted once."""
+        seen: set[int] = set()
+        total = 0
+        tensors: list[torch.Tensor] = [p for _, p in self.named_parameters()]
+        tensors += [b for name, b in self.named_buffers() if not name.startswith("model.rotary_emb.")]
+        for t in tensors:
+            if t.data_ptr() not in seen and t.numel():
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
 
 def _shards_of(module: nn.Module) -> tuple[str | int | None, ...]:
-    if isinstance(module, QKVParallelLinear):
-        return ("q", "k", "v")
-    if isinstance(module, MergedColumnParallelLinear):
-        return (0, 1)
-    return (None,)
+    return module.shard_ids if isinstance(module, ParallelLinear) else (None,)

@@ -13,6 +13,8 @@
                                       a workload without and with speculative decoding (JSON)
   flotilla bench spec-workloads --out-dir DIR
                                       write the edit / questions chat workloads of bench spec
+  flotilla bench accuracy --model M --workload W.jsonl --against JSON [--base JSON]
+                                      greedy agreement, KL, KV pages and speed of a config change (JSON)
 
 Imports: the parser modules are light and imported here; each benchmark's
 runner (torch, Ray, the app) is imported when its subcommand runs, so that
@@ -26,6 +28,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from cli.bench.accuracy_cli import add_bench_accuracy_parser
 from cli.bench.autoscale_cli import add_bench_autoscale_parser
 from cli.bench.serve_cli import add_bench_serve_parser
 from cli.bench.spec_cli import add_bench_spec_parsers
@@ -55,6 +58,9 @@ def _bench_offline(args: argparse.Namespace) -> int:
         engine["num_kv_pages"] = args.num_kv_pages
     if args.kv_cache_memory_fraction is not None:
         engine["kv_cache_memory_fraction"] = args.kv_cache_memory_fraction
+    for name in ("kv_cache_dtype", "quantization", "quantization_group_size"):
+        if getattr(args, name) is not None:
+            engine[name] = getattr(args, name)
     if args.dtype is not None:
         engine["dtype"] = args.dtype
     if args.cpu_threads is not None:
@@ -91,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_parser(bench_sub)
     add_bench_autoscale_parser(bench_sub)
     add_bench_spec_parsers(bench_sub)
+    add_bench_accuracy_parser(bench_sub)
     sched = bench_sub.add_parser("scheduler", help="schedule()+update() and match_prefix cost")
     sched.add_argument("--sizes", default="64,256,1024", help="running decodes to measure, comma-separated")
     sched.add_argument("--steps", type=int, default=200, help="timed steps per size")
@@ -105,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--num-kv-pages", type=int, default=None)
     off.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     off.add_argument("--dtype", default=None)
+    off.add_argument("--kv-cache-dtype", default=None, help="auto, int8 or fp8 (docs/quantization.md)")
+    off.add_argument("--quantization", default=None, help="int8, int4 or compressed-tensors (weights)")
+    off.add_argument("--quantization-group-size", type=int, default=None, help="int4 group size")
     off.add_argument("--cpu-threads", type=int, default=None, help="torch threads of the forward (default: every core)")
     off.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                      help="off by default, like the vLLM peer script")

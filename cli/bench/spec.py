@@ -99,7 +99,7 @@ class Pass:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], progress: bool) -> Pass:
+def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], progress: bool) -> Pass:
     steps0 = llm.engine.scheduler.stats.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=progress)
@@ -157,9 +157,9 @@ def run(model: str, workload: str | Path, *, speculative_config: str | dict[str,
         start = SpecCounters.of(stats)
         per_run = []
         for _ in range(runs):
-            base_pass = _measure(baseline, prompts, params, progress)
+            base_pass = measure(baseline, prompts, params, progress)
             before = SpecCounters.of(stats)
-            spec_pass = _measure(spec, prompts, params, progress)
+            spec_pass = measure(spec, prompts, params, progress)
             per_run.append(_run_figures(base_pass, spec_pass, SpecCounters.of(stats).since(before)))
         total = SpecCounters.of(stats).since(start)
         num_kv_pages = spec.engine.executor.capacity.num_pages

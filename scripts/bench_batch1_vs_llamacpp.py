@@ -12,6 +12,12 @@ run, the medians and the ratios flotilla / llama.cpp.
 
     make peer-llamacpp     # once: builds .peer-llamacpp (git-ignored)
     .venv/bin/python scripts/bench_batch1_vs_llamacpp.py --runs 3
+    .venv/bin/python scripts/bench_batch1_vs_llamacpp.py --runs 3 --weights q4_1
+
+``--weights q4_1``: llama.cpp runs the preset's own Q4_1 file and flotilla
+runs ``--quantization int4``, which loads those Q4_1 blocks directly
+(docs/quantization.md); ``--weights int8`` sets flotilla's int8 weights
+beside llama.cpp's Q8_0 requantization of the same file.
 """
 
 from __future__ import annotations
@@ -49,21 +55,50 @@ def f32_gguf(peer: Path, preset: str) -> Path:
 
 
 def llama_bench(peer: Path, gguf: Path, threads: int, prompt: int, gen: int) -> dict[str, float]:
+    # --repack 0: on this VM llama.cpp's default repacks Q4 weights for its AMX backend, whose
+    # first prompt dies in ggml_backend_amx_mul_mat (SIGSEGV at ldtilecfg: the tiles are not
+    # usable here); decode alone does run repacked (docs/quantization.md has both figures).
     cmd = [str(peer / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prompt),
-           "-n", str(gen), "-d", str(prompt), "-r", "3", "-o", "json"]
+           "-n", str(gen), "-d", str(prompt), "-r", "3", "--repack", "0", "-o", "json"]
     rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=_llama_env(peer)).stdout)
     prefill = next(r["avg_ts"] for r in rows if r["n_prompt"])
     decode = next(r["avg_ts"] for r in rows if r["n_gen"])
     return {"prefill_tok_per_s": round(prefill, 1), "decode_tok_per_s": round(decode, 2)}
 
 
-def flotilla_batch1(preset: str, threads: int, prompt: int, gen: int) -> dict[str, float]:
+def q8_gguf(peer: Path, preset: str) -> Path:
+    """The preset's weights requantized to Q8_0 for llama.cpp (made once)."""
+    out = ROOT / ".bench" / f"{preset}-q8_0.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(peer / "bin" / "llama-quantize"), "--allow-requantize", str(preset_gguf_path(preset)),
+                        str(out), "Q8_0"], check=True, capture_output=True, env=_llama_env(peer))
+    return out
+
+
+# --weights -> (flotilla's --quantization, what each engine runs)
+WEIGHTS = {
+    "fp32": (None, "fp32 (the preset's GGUF, dequantized; llama.cpp: llama-quantize F32)"),
+    "q4_1": ("int4", "Q4_1 (llama.cpp: the preset's file; flotilla: --quantization int4 from its blocks)"),
+    "int8": ("int8", "int8 (llama.cpp: llama-quantize Q8_0; flotilla: --quantization int8, per channel)"),
+}
+
+
+def llama_gguf(peer: Path, preset: str, weights: str) -> Path:
+    if weights == "q4_1":
+        return preset_gguf_path(preset)
+    return q8_gguf(peer, preset) if weights == "int8" else f32_gguf(peer, preset)
+
+
+def flotilla_batch1(preset: str, threads: int, prompt: int, gen: int, quantization: str | None) -> dict[str, float]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write(json.dumps({"prompt_token_ids": list(range(1000, 1000 + prompt)), "max_tokens": 2}) + "\n")
     try:
         cmd = [sys.executable, "-m", "cli.main", "bench", "offline", "--model", preset, "--workload", f.name,
                "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", str(prompt + gen + 64),
                "--cpu-threads", str(threads), "--batch1-prompt-len", str(prompt), "--batch1-tokens", str(gen)]
+        if quantization is not None:
+            cmd += ["--quantization", quantization]
         proc = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     finally:
         os.unlink(f.name)
@@ -78,23 +113,25 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--weights", choices=tuple(WEIGHTS), default="fp32")
     ap.add_argument("--peer", default=str(ROOT / ".peer-llamacpp"), help="llama.cpp built by make peer-llamacpp")
     args = ap.parse_args()
     peer = Path(args.peer)
     if not (peer / "bin" / "llama-bench").exists():
         print(f"no llama-bench under {peer}: run `make peer-llamacpp` first", file=sys.stderr)
         return 2
-    gguf = f32_gguf(peer, args.preset)
+    gguf = llama_gguf(peer, args.preset, args.weights)
+    quantization, description = WEIGHTS[args.weights]
     runs: list[dict[str, Any]] = []
     for k in range(args.runs):
         runs.append({"run": k, "llama.cpp": llama_bench(peer, gguf, args.threads, args.prompt, args.gen),
-                     "flotilla": flotilla_batch1(args.preset, args.threads, args.prompt, args.gen)})
+                     "flotilla": flotilla_batch1(args.preset, args.threads, args.prompt, args.gen, quantization)})
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     medians = {engine: {key: statistics.median(r[engine][key] for r in runs)
                         for key in ("prefill_tok_per_s", "decode_tok_per_s")} for engine in ("llama.cpp", "flotilla")}
     ratios = {key: round(medians["flotilla"][key] / medians["llama.cpp"][key], 3)
               for key in ("prefill_tok_per_s", "decode_tok_per_s")}
-    print(json.dumps({"preset": args.preset, "weights": "fp32 (the preset's GGUF, dequantized)",
+    print(json.dumps({"preset": args.preset, "weights": description,
                       "threads": args.threads, "prompt_tokens": args.prompt, "gen_tokens": args.gen,
                       "runs": runs, "median": medians, "flotilla_over_llamacpp": ratios}, indent=2))
     return 0

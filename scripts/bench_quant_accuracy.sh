@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # docs/quantization.md's accuracy table: flotilla bench accuracy on SmolLM2-135M, open chat
 # questions (bench spec-workloads' questions.jsonl, 20 requests, 64 tokens), fp32 base, against
-# each quantization. One JSON line per case into OUT (default .bench/quant), then a summary.
+# each quantization, and the whole model in bfloat16 as a yardstick of what a perturbation
+# of that size does to greedy agreement. One JSON file per case in OUT (default
+# .bench/quant), then a summary.
 #   bash scripts/bench_quant_accuracy.sh [OUT]         ONLY='int8_kv|fp8_kv' to run a subset
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +16,9 @@ declare -A cases=(
   [fp8_kv]='{"kv_cache_dtype": "fp8"}'
   [int8_weights]='{"quantization": "int8"}'
   [int4_weights]='{"quantization": "int4"}'
+  [bf16_reference]='{"dtype": "bfloat16"}'
 )
-for name in int8_kv fp8_kv int8_weights int4_weights; do
+for name in int8_kv fp8_kv int8_weights int4_weights bf16_reference; do
   [[ -n "${ONLY:-}" && ! "$name" =~ ^(${ONLY})$ ]] && continue
   echo "== $name: ${cases[$name]}" >&2
   $py -m cli.main bench accuracy --model smollm2-135m --workload "$out/questions.jsonl" --max-tokens 64 \

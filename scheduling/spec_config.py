@@ -32,11 +32,11 @@ the defaults are measured, see docs/speculative.md):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 from scheduling.errors import InvalidParameterError
+from scheduling.json_object import parse_json_object
 
 SPEC_METHODS = ("ngram", "draft")
 _PARAM = "speculative_config"
@@ -105,17 +105,7 @@ class SpeculativeConfig:
         """From a config, a dict or its JSON text (``--speculative-config``); None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise InvalidParameterError(_PARAM, f"is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise InvalidParameterError(_PARAM, f"must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidParameterError(_PARAM, f"unknown field(s) {unknown}; known: {sorted(known)}")
+        value = parse_json_object(value, _PARAM, (f.name for f in fields(cls)), "field")
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise InvalidParameterError(_PARAM, f"needs {required!r}")

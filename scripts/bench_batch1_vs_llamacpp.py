@@ -44,13 +44,13 @@ def _llama_env(peer: Path) -> dict[str, str]:
     return env
 
 
-def f32_gguf(peer: Path, preset: str) -> Path:
-    """The preset's weights as an F32 GGUF for llama.cpp (made once)."""
-    out = ROOT / ".bench" / f"{preset}-f32.gguf"
+def requantized_gguf(peer: Path, preset: str, qtype: str) -> Path:
+    """The preset's weights as a ``qtype`` (``F32``, ``Q8_0``) GGUF for llama.cpp (made once)."""
+    out = ROOT / ".bench" / f"{preset}-{qtype.lower()}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(peer / "bin" / "llama-quantize"), "--allow-requantize", str(preset_gguf_path(preset)),
-                        str(out), "F32"], check=True, capture_output=True, env=_llama_env(peer))
+                        str(out), qtype], check=True, capture_output=True, env=_llama_env(peer))
     return out
 
 
@@ -66,16 +66,6 @@ def llama_bench(peer: Path, gguf: Path, threads: int, prompt: int, gen: int) -> 
     return {"prefill_tok_per_s": round(prefill, 1), "decode_tok_per_s": round(decode, 2)}
 
 
-def q8_gguf(peer: Path, preset: str) -> Path:
-    """The preset's weights requantized to Q8_0 for llama.cpp (made once)."""
-    out = ROOT / ".bench" / f"{preset}-q8_0.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([str(peer / "bin" / "llama-quantize"), "--allow-requantize", str(preset_gguf_path(preset)),
-                        str(out), "Q8_0"], check=True, capture_output=True, env=_llama_env(peer))
-    return out
-
-
 # --weights -> (flotilla's --quantization, what each engine runs)
 WEIGHTS = {
     "fp32": (None, "fp32 (the preset's GGUF, dequantized; llama.cpp: llama-quantize F32)"),
@@ -87,7 +77,7 @@ WEIGHTS = {
 def llama_gguf(peer: Path, preset: str, weights: str) -> Path:
     if weights == "q4_1":
         return preset_gguf_path(preset)
-    return q8_gguf(peer, preset) if weights == "int8" else f32_gguf(peer, preset)
+    return requantized_gguf(peer, preset, "Q8_0" if weights == "int8" else "F32")
 
 
 def flotilla_batch1(preset: str, threads: int, prompt: int, gen: int, quantization: str | None) -> dict[str, float]:

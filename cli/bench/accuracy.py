@@ -61,6 +61,7 @@ from cli.bench.spec import Pass, measure
 from cli.bench.workload import is_chat, read_workload, workload_prompt_ids
 from kvcache.attention_backend import StepLayout
 from scheduling.errors import InvalidParameterError
+from scheduling.json_object import parse_json_object
 from scheduling.sampling_params import SamplingParams
 
 # Off as in bench offline / spec: the warm-up repeats the workload's first prompts.
@@ -81,18 +82,7 @@ def parse_options(value: str | dict[str, Any] | None, param: str) -> dict[str, A
     """Engine options from a JSON object (or a dict); any other value is an error naming ``param``."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidParameterError(param, f"is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InvalidParameterError(param, f"must be a JSON object of engine options, got {type(value).__name__}")
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise InvalidParameterError(param, f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-    return dict(value)
+    return parse_json_object(value, param, (f.name for f in fields(EngineConfig)), "engine option")
 
 
 def _validated(options: dict[str, Any], param: str) -> EngineConfig:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype
 from scheduling.errors import InvalidParameterError
 from scheduling.scheduler_config import SchedulerConfig
@@ -123,7 +124,10 @@ class EngineConfig:
             not isinstance(self.cpu_threads, int) or isinstance(self.cpu_threads, bool) or self.cpu_threads < 1
         ):
             raise InvalidParameterError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
-        object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
+        try:
+            object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
+        except CacheConfigError as e:
+            raise InvalidParameterError(e.param, e.message) from None
         self._check_quantization()
         # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))

@@ -18,7 +18,7 @@ mantissa costs nothing but a sliver of the int8 range.
 
 from __future__ import annotations
 
-from scheduling.errors import InvalidParameterError
+from kvcache.errors import CacheConfigError
 
 # The names ``kv_cache_dtype`` accepts; aliases map to their canonical name.
 KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
@@ -28,9 +28,9 @@ KV_SCALE_BYTES = 2  # one bfloat16 scale per (token, kv head), for K and for V
 
 
 def canonical_kv_dtype(name: str) -> str:
-    """``auto``, ``int8`` or ``fp8_e4m3``; an unknown name is an error naming ``kv_cache_dtype``."""
+    """``auto``, ``int8`` or ``fp8_e4m3``; an unknown name is a ``CacheConfigError`` naming ``kv_cache_dtype``."""
     if name not in KV_CACHE_DTYPES:
-        raise InvalidParameterError(
+        raise CacheConfigError(
             "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
         )
     return KV_CACHE_DTYPES[name]

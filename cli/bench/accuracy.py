@@ -57,7 +57,7 @@ from actors.executor import LocalExecutor
 from actors.model_runner import ModelRunner
 from apps.llm import LLM
 from cli.bench.offline import batch1
-from cli.bench.spec import Pass, measure
+from cli.bench.spec import WARMUP_REQUESTS, Pass, measure
 from cli.bench.workload import is_chat, read_workload, workload_prompt_ids
 from kvcache.attention_backend import StepLayout
 from scheduling.errors import InvalidParameterError
@@ -66,7 +66,6 @@ from scheduling.sampling_params import SamplingParams
 
 # Off as in bench offline / spec: the warm-up repeats the workload's first prompts.
 BENCH_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
-WARMUP_REQUESTS = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from actors.detokenizer import IncrementalDetokenizer
 from actors.engine_config import EngineConfig
 from actors.executor import Executor, LocalExecutor
+from actors.grammar.compiler import GrammarCompiler
+from actors.grammar.states import GrammarStates
 from actors.loader import load_tokenizer
 from actors.log import get_logger
 from actors.outputs import SequenceDelta, SequenceTiming
@@ -57,6 +59,12 @@ class LLMEngine:
         # with shards on other actors, their round trip too). Per step against engine steps, it shows
         # what the serving path around the engine costs the forward (flotilla bench serve / offline).
         self.forward_seconds_total = 0.0
+        # Structured output: constraints compiled once each, one matcher per constrained sequence.
+        self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
+                                       timeout_s=config.grammar_compile_timeout_s)
+        self.grammar_states = GrammarStates(self.vocab_size)
+        # Seconds spent on the step's critical path filling token masks and advancing matchers.
+        self.grammar_seconds_total = 0.0
 
     # ----------------------------------------------------------------- intake
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -92,6 +100,12 @@ class LLMEngine:
             raise InvalidParameterError(
                 "logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
+        constraint = params.structured_output
+        if constraint is not None and self.eos_token_id is None:
+            raise InvalidParameterError(constraint.param, "this model has no end-of-sequence token to end "
+                                                          "a constrained output with")
+        # Cached when the scheduler actor compiled it off the loop (``GrammarCompiler.compile_async``).
+        grammar = self.grammar.compile(constraint) if constraint is not None else None
         children: list[str] = []
         try:
             for i in range(params.n):
@@ -105,10 +119,13 @@ class LLMEngine:
                 self.scheduler.add(req, share_prompt_with=children[0] if children else None)
                 children.append(sid)
                 self._seqs[sid] = _Sequence(request_id, i, params.logprobs is not None)
+                if grammar is not None and constraint is not None:
+                    self.grammar_states.add(sid, grammar, constraint.kind)
         except Exception:
             for sid in children:
                 self.scheduler.abort(sid)
                 self._seqs.pop(sid, None)
+                self.grammar_states.remove(sid)
             raise
         self._groups[request_id] = children
         return len(ids)
@@ -157,6 +174,7 @@ class LLMEngine:
         for sid in self._groups.pop(request_id, []):
             req = self.scheduler.abort(sid)
             seq = self._seqs.pop(sid, None)
+            self.grammar_states.remove(sid)
             if req is not None and seq is not None:
                 deltas.append(SequenceDelta(
                     request_id, seq.index, [], "", None, reason,
@@ -189,7 +207,7 @@ class LLMEngine:
     # ------------------------------------------------------------------- step
     def step(self) -> list[SequenceDelta]:
         """Run one engine step; return one delta per sequence that gained text or ended."""
-        batch = self.scheduler.schedule()
+        batch = self.schedule()
         if batch is None:
             return []
         return self.finish_step(batch, self.execute(batch))
@@ -198,8 +216,15 @@ class LLMEngine:
     # step() in three phases: schedule() and finish_step() under its engine
     # lock, execute() without it (it reads only the immutable Batch).
     def schedule(self) -> Batch | None:
-        """Plan the next step; None when there is nothing to run."""
-        return self.scheduler.schedule()
+        """Plan the next step (with its token masks); None when there is nothing to run."""
+        batch = self.scheduler.schedule()
+        if batch is None or not len(self.grammar_states):
+            return batch
+        start = time.perf_counter()
+        reqs = self.scheduler.requests_in_step(batch.step)
+        masks = self.grammar_states.masks(batch, [reqs[i].request_id for i in batch.sample_indices])
+        self.grammar_seconds_total += time.perf_counter() - start
+        return batch if masks is None else replace(batch, token_masks=masks)
 
     def execute(self, batch: Batch) -> StepOutput:
         """Run a planned step on the executor; touches no request state."""
@@ -220,8 +245,11 @@ class LLMEngine:
         """
         update = self.scheduler.update(batch, output)
         deltas: list[SequenceDelta] = []
+        refused: list[str] = []
         for req, tokens, row, text in update.sampled:
             seq = self._seqs[req.request_id]
+            if batch.token_masks is not None and not self._accept(req.request_id, tokens):
+                refused.append(seq.request_id)
             reason = req.finish_reason  # set by the scheduler's StopRule when this token ended it
             done = reason is not None
             logprobs: list[TokenLogprobs] | None = None
@@ -234,15 +262,26 @@ class LLMEngine:
             ))
             if done:
                 self._forget(req)
+        for rid in dict.fromkeys(refused):  # a masked token the grammar then refused: a bug, never quiet
+            logger.error("request %s: a sampled token broke its output constraint; ending it", rid)
+            deltas += self._end_group(rid, "error", "the output constraint refused a sampled token")
         return deltas
 
+    def _accept(self, seq_id: str, tokens: list[int]) -> bool:
+        start = time.perf_counter()
+        ok = self.grammar_states.accept(seq_id, tokens)
+        self.grammar_seconds_total += time.perf_counter() - start
+        return ok
+
     def _forget(self, req: Request) -> None:
+        self.grammar_states.remove(req.request_id)
         seq = self._seqs.pop(req.request_id)
         group = self._groups.get(seq.request_id)
         if group is not None and all(sid not in self._seqs for sid in group):
             del self._groups[seq.request_id]
 
     def shutdown(self) -> None:
+        self.grammar.shutdown()
         self.executor.shutdown()
 
 

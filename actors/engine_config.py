@@ -56,8 +56,9 @@ class EngineConfig:
     (``kvcache.kv_dtypes``). ``quantization``: weight-only ``int8``, ``int4``
     or ``compressed-tensors`` (``QUANTIZATION_METHODS``), with
     ``quantization_group_size`` for int4 (None: 32 from GGUF blocks, else
-    128). Errors name the parameter and, where two settings disagree, both
-    values.
+    128). ``grammar_compile_timeout_s``: how long a request waits for its
+    structured-output constraint to compile before it is refused (400).
+    Errors name the parameter and, where two settings disagree, both values.
     """
 
     model: str = "tiny"
@@ -81,6 +82,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     quantization_group_size: int | None = None
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -129,6 +131,12 @@ class EngineConfig:
         except CacheConfigError as e:
             raise InvalidParameterError(e.param, e.message) from None
         self._check_quantization()
+        if isinstance(self.grammar_compile_timeout_s, bool) or not (
+            isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0
+        ):
+            raise InvalidParameterError(
+                "grammar_compile_timeout_s", f"must be a number > 0, got {self.grammar_compile_timeout_s!r}"
+            )
         # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self.scheduler_config()  # validates the scheduling limits, naming both values

@@ -214,9 +214,9 @@ class ModelRunner:
         if batch.draft_token_ids is None:
             return self.sampler.sample(
                 logits, batch.sampling_params, batch.num_output_tokens,
-                batch.prompt_token_ids, batch.output_token_ids,
+                batch.prompt_token_ids, batch.output_token_ids, batch.token_masks,
             )
-        out = self.sampler.sample(logits, *expand_sampling(batch))
+        out = self.sampler.sample(logits, *expand_sampling(batch), batch.token_masks)
         return replace(out, num_accepted=count_accepted(out.token_ids, batch.draft_token_ids))
 
     def _propose(self, batch: Batch, out: StepOutput) -> StepOutput:

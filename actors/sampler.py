@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from actors.grammar.masks import apply_token_masks
 from actors.logit_adjust import apply_logit_bias, apply_penalties
-from scheduling.batch import StepOutput, TokenLogprobs
+from scheduling.batch import StepOutput, TokenLogprobs, TokenMasks
 from scheduling.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -154,16 +155,21 @@ class Sampler:
         num_output_tokens: list[int],
         prompt_token_ids: list[list[int] | None],
         output_token_ids: list[list[int] | None],
+        token_masks: TokenMasks | None = None,
     ) -> StepOutput:
         """Sample one token per row of ``logits`` (N, vocab); lists are aligned with rows.
 
         Token histories are needed (non-None) exactly for rows whose
-        ``params.needs_penalties``.
+        ``params.needs_penalties``. ``token_masks`` (structured output) rule
+        tokens out before anything else, so logprobs are those of the
+        constrained distribution.
         """
         num_rows = logits.shape[0]
         assert len(params) == num_rows, (len(params), num_rows)
         if num_rows == 0:
             return StepOutput(token_ids=[], logprobs=[])
+        if token_masks is not None:
+            logits = apply_token_masks(logits, token_masks)
         if _all_plain_greedy(params):
             # max().indices is ~2x faster than argmax() on CPU; same tie rule.
             greedy_ids: list[int] = logits.max(dim=-1).indices.tolist()

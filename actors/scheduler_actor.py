@@ -120,6 +120,9 @@ class SchedulerService:
         namespace: str | None, consumer_id: str | None,
     ) -> list[int]:
         self._ensure_loop()
+        if params.structured_output is not None:
+            # Compiled on the grammar worker while steps go on; add_request then finds it cached.
+            await self._engine.grammar.compile_async(params.structured_output)
         async with self._lock:
             # An InvalidParameterError reaches the caller whole, param included:
             # it pickles through its own __reduce__ (scheduling.errors).

@@ -7,8 +7,24 @@ lists of ints, so a ``Batch`` pickles cheaply for one Ray call per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from scheduling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMasks:
+    """The tokens some sampled rows may take (structured output, ``actors.grammar``).
+
+    ``rows`` are indices into the step's sampled rows (one per sampled
+    sequence, or ``1 + len(drafts)`` with drafts: ``actors.spec_verify``), in
+    increasing order. ``bitmask`` is an int32 tensor ``(len(rows), ceil(vocab
+    / 32))``: token t is allowed in row i when bit ``t % 32`` of word ``t //
+    32`` is set. Typed ``Any``: scheduling does not import torch.
+    """
+
+    rows: list[int]
+    bitmask: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,7 @@ class Batch:
     output_token_ids: list[list[int] | None]
     draft_token_ids: list[list[int]] | None = None
     num_propose: list[int] | None = None
+    token_masks: TokenMasks | None = None  # set by the engine when constrained sequences sample
 
     @property
     def num_seqs(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from scheduling.errors import InvalidParameterError
+from scheduling.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -38,6 +39,10 @@ class SamplingParams:
     ``logit_bias`` adds a value in [-100, 100] to the logits of token ids
     (given as a mapping, stored as sorted ``(id, bias)`` pairs); the engine
     checks the ids against the vocabulary (``LLMEngine.add_request``).
+    ``structured_output`` constrains every generated token to keep the output
+    a prefix of something the constraint accepts (``actors.grammar``); the
+    sequence then ends at the end-of-sequence token once the output is
+    complete, so ``ignore_eos`` cannot be combined with it.
     """
 
     max_tokens: int = 16
@@ -55,6 +60,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers, store tuples so the object stays hashable/immutable.
@@ -97,6 +103,14 @@ class SamplingParams:
             _check_int("logit_bias", pair[0], 0)
             _check_range("logit_bias", pair[1], -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise InvalidParameterError("structured_output", "must be a StructuredOutput")
+            if self.ignore_eos:
+                raise InvalidParameterError(
+                    "ignore_eos", f"cannot be combined with {self.structured_output.param}: a constrained "
+                    "output ends at the end-of-sequence token once it is complete",
+                )
 
     @property
     def greedy(self) -> bool:
@@ -114,7 +128,9 @@ class SamplingParams:
         """These params with every field the sampler ignores at its default, interned.
 
         The sampler reads temperature, top-p/k, min-p, seed, penalties,
-        logprobs and logit_bias; max_tokens, stop, ignore_eos and n are the engine's. A batch
+        logprobs and logit_bias; max_tokens, stop, ignore_eos, n and
+        structured_output are the engine's (a constraint reaches the sampler
+        as token masks in the ``Batch``). A batch
         carries views, so requests with equal sampler settings share one
         object and a batch sent to a shard pickles it once (per-request
         objects were 87% of a 64-sequence batch's pickling time).

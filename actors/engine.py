@@ -8,6 +8,7 @@ message per step carrying every request's progress.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from actors.detokenizer import IncrementalDetokenizer
@@ -63,6 +64,7 @@ class LLMEngine:
         self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
                                        timeout_s=config.grammar_compile_timeout_s)
         self.grammar_states = GrammarStates(self.vocab_size)
+        self.constrained_requests = Counter[str]()  # requests added with a constraint, by kind
         # Seconds spent on the step's critical path filling token masks and advancing matchers.
         self.grammar_seconds_total = 0.0
 
@@ -120,7 +122,7 @@ class LLMEngine:
                 children.append(sid)
                 self._seqs[sid] = _Sequence(request_id, i, params.logprobs is not None)
                 if grammar is not None and constraint is not None:
-                    self.grammar_states.add(sid, grammar, constraint.kind)
+                    self.grammar_states.add(sid, grammar)
         except Exception:
             for sid in children:
                 self.scheduler.abort(sid)
@@ -128,6 +130,8 @@ class LLMEngine:
                 self.grammar_states.remove(sid)
             raise
         self._groups[request_id] = children
+        if constraint is not None:
+            self.constrained_requests[constraint.kind] += 1
         return len(ids)
 
     def abort(self, request_id: str) -> list[SequenceDelta]:

@@ -123,6 +123,12 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Structured output, cumulative: requests by constraint kind, seconds of the step spent on masks,
+    # constraints compiled and the durations of the most recent compiles (``GrammarCompiler.compile_seconds``).
+    structured_output_requests: tuple[tuple[str, int], ...] = ()
+    structured_output_step_seconds: float = 0.0
+    grammar_compiles_total: int = 0
+    grammar_compile_seconds_recent: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +206,7 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
     sched, alloc, cache = engine.scheduler, engine.allocator, engine.scheduler.cache
     total, free = alloc.num_pages, alloc.num_free_pages
     mem = memory_usage()
+    num_compiles, compile_seconds = engine.grammar.compile_seconds()
     return EngineStats(
         num_waiting=len(sched.waiting),
         num_running=len(sched.running),
@@ -231,4 +238,8 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         spec_decode_num_draft_tokens=sched.stats.spec_num_draft_tokens,
         spec_decode_num_accepted_tokens=sched.stats.spec_num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=tuple(sched.stats.spec_num_accepted_tokens_per_pos),
+        structured_output_requests=tuple(sorted(engine.constrained_requests.items())),
+        structured_output_step_seconds=round(engine.grammar_seconds_total, 6),
+        grammar_compiles_total=num_compiles,
+        grammar_compile_seconds_recent=compile_seconds,
     )

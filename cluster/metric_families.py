@@ -21,6 +21,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+# Compiling one output constraint: ~0.1 ms (a regex) to seconds (a large schema).
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
@@ -86,6 +88,14 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
     _c("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     _c("spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at position (0-based) was accepted.",
        (*REPLICA_LABELS, "position")),
+    # Structured output (actors/grammar): constrained requests, compile times, and the time the
+    # engine's step spends on masks (over engine_steps: grammar seconds per step).
+    _c("structured_output_requests", "Requests with an output constraint, by kind (json, json_object, regex, "
+       "choice, grammar).", (*REPLICA_LABELS, "kind")),
+    _c("structured_output_step_seconds", "Seconds the engine spent filling token masks and advancing grammar "
+       "matchers, on the step's critical path."),
+    _h("grammar_compile_seconds", "Time to compile one distinct output constraint (cached afterwards).",
+       COMPILE_BUCKETS),
     _c("process_cpu_seconds", "CPU seconds used by the engine process (rate() gives cores busy)."),
     _g("memory_used_bytes", "Resident memory of the engine process."),
     _g("memory_peak_bytes", "Peak resident memory of the engine process."),

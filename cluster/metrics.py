@@ -219,6 +219,10 @@ class ReplicaMetrics:
         self._advance("spec_decode_num_accepted_tokens", stats.spec_decode_num_accepted_tokens)
         for pos, accepted in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
             self._advance("spec_decode_num_accepted_tokens_per_pos", accepted, position=str(pos))
+        for kind, count in stats.structured_output_requests:
+            self._advance("structured_output_requests", count, kind=kind)
+        self._advance("structured_output_step_seconds", stats.structured_output_step_seconds)
+        self._observe_compiles(stats.grammar_compiles_total, stats.grammar_compile_seconds_recent)
         self._record("memory_used_bytes", stats.memory_used_bytes)
         self._record("memory_peak_bytes", stats.memory_peak_bytes)
         self._record("memory_limit_bytes", stats.memory_limit_bytes)
@@ -226,6 +230,15 @@ class ReplicaMetrics:
             value = getattr(stats, name)
             if value is not None:
                 self._record(name, value)
+
+    def _observe_compiles(self, total: int, recent: tuple[float, ...]) -> None:
+        """Observe the compiles finished since the last snapshot (the newest of ``recent``)."""
+        key = ("grammar_compile_seconds",)
+        last = int(self._seen.get(key, 0))
+        new = total - last if total >= last else total  # a restarted engine counts from 0
+        self._seen[key] = total
+        for seconds in recent[len(recent) - min(new, len(recent)):]:
+            self._record("grammar_compile_seconds", seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this replica's metrics."""

@@ -14,8 +14,6 @@ after it are discarded. Likewise after a draft that completes the output.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import xgrammar as xgr
 
 from scheduling.batch import Batch, TokenMasks
@@ -27,7 +25,6 @@ class GrammarStates:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
-        self.num_constrained = Counter[str]()  # sequences started, by constraint kind (metrics)
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -35,9 +32,8 @@ class GrammarStates:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._matchers
 
-    def add(self, seq_id: str, grammar: xgr.CompiledGrammar, kind: str) -> None:
+    def add(self, seq_id: str, grammar: xgr.CompiledGrammar) -> None:
         self._matchers[seq_id] = xgr.GrammarMatcher(grammar)
-        self.num_constrained[kind] += 1
 
     def remove(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)

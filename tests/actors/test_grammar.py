@@ -131,7 +131,7 @@ def _batch(drafts: list[list[int]] | None, n: int) -> Batch:
 def test_masks_look_ahead_through_drafts_and_roll_back(compiler: GrammarCompiler) -> None:
     grammar = compiler.compile(StructuredOutput.choice(["abc", "abd"]))
     states = GrammarStates(VOCAB)
-    states.add("s0", grammar, "choice")
+    states.add("s0", grammar)
     # s1 is unconstrained; s0 drafts "ab" then "x" (refused: rows after it get no mask).
     masks = states.masks(_batch([ids("abx"), ids("zz")], 2), ["s0", "s1"])
     assert masks is not None and masks.rows == [0, 1, 2]  # s0's rows 0..2; row 3 (after "x") and s1 unmasked

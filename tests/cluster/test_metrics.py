@@ -137,8 +137,25 @@ def test_engine_stats_become_gauges_and_counters() -> None:
 def _spec_snapshot(scheduler: Scheduler, allocator: PageAllocator) -> EngineStats:
     """``snapshot`` of an engine that is only a real scheduler (no model: the counters are all it reads here)."""
     engine = SimpleNamespace(scheduler=scheduler, allocator=allocator, num_unfinished_requests=0,
-                             forward_seconds_total=0.0)
+                             forward_seconds_total=0.0, grammar=SimpleNamespace(compile_seconds=lambda: (0, ())),
+                             constrained_requests={}, grammar_seconds_total=0.0)
     return snapshot(cast("LLMEngine", engine), LatencyWindow())
+
+
+def test_structured_output_metrics_count_requests_and_compiles() -> None:
+    rm = ReplicaMetrics("tiny", "r1", export_to_ray=False)
+    rm.update(stats(structured_output_requests=(("json", 2), ("regex", 1)), structured_output_step_seconds=0.5,
+                    grammar_compiles_total=2, grammar_compile_seconds_recent=(0.002, 0.2)))
+    # Three more compiles, of which the snapshot still holds the last two it keeps (plus older ones).
+    rm.update(stats(structured_output_requests=(("json", 5), ("regex", 1)), structured_output_step_seconds=0.75,
+                    grammar_compiles_total=5, grammar_compile_seconds_recent=(0.002, 0.2, 0.003, 0.004, 3.0)))
+    s = samples(rm.render())
+    assert s[("flotilla:structured_output_requests_total", (("kind", "json"),))] == 5
+    assert s[("flotilla:structured_output_requests_total", (("kind", "regex"),))] == 1
+    assert s[("flotilla:structured_output_step_seconds_total", ())] == 0.75
+    assert s[("flotilla:grammar_compile_seconds_count", ())] == 5
+    assert s[("flotilla:grammar_compile_seconds_sum", ())] == pytest.approx(0.002 + 0.2 + 0.003 + 0.004 + 3.0)
+    assert s[("flotilla:grammar_compile_seconds_bucket", (("le", "0.005"),))] == 3
 
 
 def test_spec_decode_counters_go_from_the_scheduler_to_the_exposition(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,8 @@ Importable with only aiohttp installed: no torch, no Ray, no pydantic.
     from flotilla import Client
     with Client() as client:                       # FLOTILLA_BASE_URL or http://127.0.0.1:8000
         print(client.complete("Hello", max_tokens=8).text)
+        weather = client.parse("Weather in Oslo?", response_format=Weather).parsed   # a pydantic model
+        calls = client.chat("Weather in Oslo?", tools=[WEATHER_TOOL]).tool_calls     # ToolCall list
 
 See docs/sdk.md.
 """
@@ -22,13 +24,27 @@ from flotilla.errors import (
     BadRequestError,
     ConfigError,
     FlotillaError,
+    MissingDependencyError,
     NotFoundError,
     PayloadTooLargeError,
     RateLimitError,
     ServerError,
+    StructuredOutputError,
+)
+from flotilla.params import (
+    FunctionSpec,
+    JsonSchemaSpec,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolChoice,
 )
 from flotilla.prometheus import MetricsParseError, Sample, parse_prometheus
+from flotilla.schema import SchemaModel
 from flotilla.streaming import AsyncStream
+from flotilla.structured import ParsedCompletion
+from flotilla.tools import ToolCall, ToolCallDelta
 from flotilla.transport import InvalidResponseError
 from flotilla.types import (
     BatchResult,
@@ -57,18 +73,31 @@ __all__ = [
     "Completion",
     "ConfigError",
     "FlotillaError",
+    "FunctionSpec",
     "Health",
     "InvalidResponseError",
+    "JsonSchemaSpec",
     "MetricsParseError",
+    "MissingDependencyError",
     "Model",
+    "NamedToolChoice",
     "NotFoundError",
+    "ParsedCompletion",
     "PayloadTooLargeError",
     "RateLimitError",
+    "ResponseFormat",
     "Sample",
+    "SchemaModel",
     "ServerError",
     "Stream",
     "StreamDelta",
+    "StructuredOutputError",
+    "StructuredOutputs",
     "Tokens",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "Usage",
     "__version__",
     "parse_prometheus",

@@ -9,15 +9,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from flotilla import defaults
 from flotilla.batch import run_batch
 from flotilla.config import ClientConfig, ClientOptions
 from flotilla.errors import ConfigError
+from flotilla.params import ResponseFormat, StructuredOutputs, Tool, ToolChoice
 from flotilla.progress import ProgressBar
 from flotilla.prometheus import Sample, parse_prometheus
+from flotilla.schema import M, OutputSchema, SchemaSpec
 from flotilla.streaming import AsyncStream
+from flotilla.structured import ParsedCompletion
 from flotilla.transport import InvalidResponseError, Transport
 from flotilla.types import BatchResult, Completion, Health, Model, Tokens
 
@@ -35,6 +38,11 @@ def _messages(messages: Messages) -> list[dict[str, Any]]:
     return [dict(m) for m in messages]
 
 
+def _fields(**fields: Any) -> dict[str, Any]:
+    """The structured-output and tool fields that were given (``None`` means leave it out)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def _is_chat(item: Prompt | Sequence[Message]) -> bool:
     return not isinstance(item, str) and len(item) > 0 and isinstance(item[0], Mapping)
 
@@ -49,6 +57,12 @@ class AsyncClient:
     other keyword goes into the request body (``max_tokens``, ``temperature``,
     ``top_p``, ``top_k``, ``min_p``, ``stop``, ``seed``, ``n``, ``logprobs``,
     ``presence_penalty``, ``frequency_penalty``, ``ignore_eos``, ...).
+
+    Structured output and tools (``flotilla.params`` types them): chat calls
+    take ``response_format``, ``tools`` and ``tool_choice``; chat and
+    completion calls take vLLM's ``structured_outputs``. A reply's tool calls
+    are ``completion.tool_calls`` (``stream.tool_calls`` when streamed);
+    :meth:`parse` asks for a schema and returns the validated object.
     """
 
     def __init__(self, base_url: str | None = None, **options: Unpack[ClientOptions]) -> None:
@@ -70,31 +84,75 @@ class AsyncClient:
 
     # ------------------------------------------------------------ generation
     async def complete(self, prompt: Prompt, *, model: str | None = None, session_id: str | None = None,
-                       timeout: float | None = None, **params: Any) -> Completion:
+                       timeout: float | None = None, structured_outputs: StructuredOutputs | None = None,
+                       **params: Any) -> Completion:
         """``POST /v1/completions``: one prompt (text or token ids)."""
-        body = await self._body(model, params, prompt=prompt)
+        body = await self._body(model, {**params, **_fields(structured_outputs=structured_outputs)},
+                                prompt=prompt)
         reply = await self._transport.request("POST", "/v1/completions", body, session_id=session_id,
                                               timeout=timeout)
         return Completion.from_json(reply.json())
 
     async def chat(self, messages: Messages, *, model: str | None = None, session_id: str | None = None,
-                   timeout: float | None = None, **params: Any) -> Completion:
-        """``POST /v1/chat/completions``: ``messages`` as OpenAI dicts, or a str for one user turn."""
-        body = await self._body(model, params, messages=_messages(messages))
+                   timeout: float | None = None, response_format: ResponseFormat | None = None,
+                   tools: Sequence[Tool] | None = None, tool_choice: ToolChoice | None = None,
+                   structured_outputs: StructuredOutputs | None = None, **params: Any) -> Completion:
+        """``POST /v1/chat/completions``: ``messages`` as OpenAI dicts, or a str for one user turn.
+
+        With ``tools``, read ``completion.tool_calls``; answer with an
+        assistant message holding ``[c.to_json() for c in calls]`` and one
+        ``{"role": "tool", "tool_call_id": c.id, "content": ...}`` per call.
+        """
+        fields = _fields(response_format=response_format, tools=tools, tool_choice=tool_choice,
+                         structured_outputs=structured_outputs)
+        body = await self._body(model, {**params, **fields}, messages=_messages(messages))
         reply = await self._transport.request("POST", "/v1/chat/completions", body, session_id=session_id,
                                               timeout=timeout)
         return Completion.from_json(reply.json())
 
+    @overload
+    async def parse(self, messages: Messages, *, response_format: type[M], name: str | None = None,
+                    **params: Any) -> ParsedCompletion[M]: ...
+
+    @overload
+    async def parse(self, messages: Messages, *, response_format: Mapping[str, Any], name: str | None = None,
+                    **params: Any) -> ParsedCompletion[Any]: ...
+
+    async def parse(self, messages: Messages, *, response_format: SchemaSpec, name: str | None = None,
+                    **params: Any) -> ParsedCompletion[Any]:
+        """A chat whose reply must match a schema; returns it validated (``result.parsed``).
+
+        ``response_format`` is a pydantic model class (anything with
+        ``model_json_schema()`` and ``model_validate_json()``; ``parsed`` is an
+        instance) or a JSON-schema dict (``parsed`` is the JSON, checked with
+        ``jsonschema``, which must then be installed: ``MissingDependencyError``
+        otherwise, before any request). It is sent as ``{"type": "json_schema",
+        "json_schema": {"name", "schema", "strict": true}}``; ``name`` defaults
+        to the class name or the schema's ``title``. Other keywords are those
+        of :meth:`chat`. A reply that is not JSON or breaks the schema (say
+        ``max_tokens`` cut it: ``finish_reason == "length"``) raises
+        ``StructuredOutputError`` carrying the text and the finish_reason.
+        """
+        schema: OutputSchema[Any] = OutputSchema.of(response_format, name=name)
+        completion = await self.chat(messages, response_format=schema.response_format(), **params)
+        return ParsedCompletion.of(completion, schema)
+
     def stream(self, prompt: Prompt, *, model: str | None = None, session_id: str | None = None,
-               timeout: float | None = None, **params: Any) -> AsyncStream:
+               timeout: float | None = None, structured_outputs: StructuredOutputs | None = None,
+               **params: Any) -> AsyncStream:
         """A streamed completion: ``async with client.stream(p) as s: async for delta in s: ...``."""
-        return self._stream("/v1/completions", {"prompt": prompt}, model, session_id, timeout, params)
+        return self._stream("/v1/completions", {"prompt": prompt}, model, session_id, timeout,
+                            {**params, **_fields(structured_outputs=structured_outputs)})
 
     def stream_chat(self, messages: Messages, *, model: str | None = None, session_id: str | None = None,
-                    timeout: float | None = None, **params: Any) -> AsyncStream:
-        """A streamed chat completion (see :meth:`stream`)."""
+                    timeout: float | None = None, response_format: ResponseFormat | None = None,
+                    tools: Sequence[Tool] | None = None, tool_choice: ToolChoice | None = None,
+                    structured_outputs: StructuredOutputs | None = None, **params: Any) -> AsyncStream:
+        """A streamed chat completion (see :meth:`stream`); its ``tool_calls`` join the streamed fragments."""
+        fields = _fields(response_format=response_format, tools=tools, tool_choice=tool_choice,
+                         structured_outputs=structured_outputs)
         return self._stream("/v1/chat/completions", {"messages": _messages(messages)}, model, session_id,
-                            timeout, params)
+                            timeout, {**params, **fields})
 
     async def batch(self, prompts: Sequence[Prompt | Sequence[Message]], *,
                     concurrency: int = defaults.BATCH_CONCURRENCY, progress: bool = True,
@@ -103,7 +161,9 @@ class AsyncClient:
 
         An item that is a list of message dicts is a chat; anything else a
         completion. A failed item holds its error (``result.ok`` is false);
-        ``progress`` draws a bar on stderr. ``params`` apply to every item.
+        ``progress`` draws a bar on stderr. ``params`` apply to every item
+        (``response_format``, ``tools`` and ``tool_choice`` make sense only
+        for chats; ``structured_outputs`` for both).
         """
         if concurrency < 1:
             raise ConfigError(f"must be >= 1, got {concurrency}", param="concurrency")

@@ -8,15 +8,17 @@ implementation. ``Stream`` does the same for a streamed completion.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from flotilla.async_client import AsyncClient, Message, Messages, Prompt
 from flotilla.config import ClientConfig, ClientOptions
 from flotilla.loop_thread import LoopThread
 from flotilla.prometheus import Sample
+from flotilla.schema import M, SchemaSpec
 from flotilla.streaming import AsyncStream, StreamView
+from flotilla.structured import ParsedCompletion
 from flotilla.types import BatchResult, Completion, Health, Model, StreamDelta, Tokens
 
 if TYPE_CHECKING:
@@ -65,7 +67,10 @@ class Client:
 
     Use it as ``with Client() as client:`` or call :meth:`close` (it is also
     closed when garbage-collected or at exit). Keywords of each call are those
-    of the ``AsyncClient`` method of the same name.
+    of the ``AsyncClient`` method of the same name (``chat`` and ``stream_chat``
+    take ``response_format``, ``tools``, ``tool_choice`` and
+    ``structured_outputs``; ``complete`` and ``stream`` take
+    ``structured_outputs``).
     """
 
     def __init__(self, base_url: str | None = None, **options: Unpack[ClientOptions]) -> None:
@@ -95,6 +100,23 @@ class Client:
     def chat(self, messages: Messages, **params: Any) -> Completion:
         """See ``AsyncClient.chat``."""
         return self._loop.run(self._async.chat(messages, **params))
+
+    @overload
+    def parse(self, messages: Messages, *, response_format: type[M], name: str | None = None,
+              **params: Any) -> ParsedCompletion[M]: ...
+
+    @overload
+    def parse(self, messages: Messages, *, response_format: Mapping[str, Any], name: str | None = None,
+              **params: Any) -> ParsedCompletion[Any]: ...
+
+    def parse(self, messages: Messages, *, response_format: SchemaSpec, name: str | None = None,
+              **params: Any) -> ParsedCompletion[Any]:
+        """A chat whose reply must match a pydantic model or JSON schema (see ``AsyncClient.parse``).
+
+        ``client.parse(messages, response_format=Weather).parsed`` is a
+        ``Weather``; a reply that does not match raises ``StructuredOutputError``.
+        """
+        return self._loop.run(self._async.parse(messages, response_format=response_format, name=name, **params))
 
     def stream(self, prompt: Prompt, **params: Any) -> Stream:
         """``with client.stream(p) as s: for delta in s: ...`` (see ``AsyncClient.stream``)."""

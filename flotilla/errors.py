@@ -11,7 +11,10 @@ keeping the server's ``message``, ``param`` and ``code``. Failures below HTTP
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flotilla.types import Completion
 
 
 class FlotillaError(Exception):
@@ -28,6 +31,32 @@ class ConfigError(FlotillaError, ValueError):
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class MissingDependencyError(FlotillaError, ImportError):
+    """A feature needs an optional package that is not installed; ``package`` names it."""
+
+    def __init__(self, message: str, *, package: str) -> None:
+        super().__init__(message)
+        self.package = package
+
+
+class StructuredOutputError(FlotillaError, ValueError):
+    """The model's structured output (``parse``, tool-call arguments) is not valid JSON or breaks the schema.
+
+    ``text`` is the raw output and ``finish_reason`` why generation stopped
+    (``"length"`` means ``max_tokens`` cut it short; ``None`` when unknown);
+    ``completion`` is the whole reply when there was one. The parser's own
+    exception (pydantic's ``ValidationError``, ``json.JSONDecodeError``) is
+    the ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, text: str, finish_reason: str | None,
+                 completion: Completion | None = None) -> None:
+        super().__init__(message)
+        self.text = text
+        self.finish_reason = finish_reason
+        self.completion = completion
 
 
 class APIConnectionError(FlotillaError):

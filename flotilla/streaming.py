@@ -8,8 +8,13 @@ never replayed (the caller has already seen text). Closing it (leaving the
 closing early makes the server abort the request.
 
 Timings: ``ttft_s`` is from the call (retries included) to the first chunk
-with text; ``inter_token_s`` holds the gaps between later chunks with text
-(the server sends one chunk per engine step, usually one token).
+with text or a tool-call fragment; ``inter_token_s`` holds the gaps between
+later such chunks (the server sends one chunk per engine step, usually one
+token).
+
+Tool calls: each chunk's ``delta.tool_calls`` fragments are joined by index
+as the openai client joins them (``flotilla.tools.ToolCallAccumulator``);
+``stream.tool_calls`` is sequence 0's calls so far.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import aiohttp
 
 from flotilla.errors import APIConnectionError, from_stream_event
 from flotilla.sse import DONE, iter_sse
+from flotilla.tools import ToolCall, ToolCallAccumulator
 from flotilla.transport import InvalidResponseError, Transport, translate_errors
 from flotilla.types import StreamDelta, Usage
 
@@ -40,6 +46,7 @@ class StreamState:
     model: str = ""
     texts: dict[int, list[str]] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    tool_calls: dict[int, ToolCallAccumulator] = field(default_factory=dict)
     usage: Usage | None = None
     ttft_s: float | None = None
     inter_token_s: list[float] = field(default_factory=list)
@@ -56,7 +63,9 @@ class StreamState:
             self.texts.setdefault(d.index, []).append(d.text)
             if d.finish_reason:
                 self.finish_reasons[d.index] = d.finish_reason
-        if any(d.text for d in deltas):
+            for fragment in d.tool_calls:
+                self.tool_calls.setdefault(d.index, ToolCallAccumulator()).add(fragment)
+        if any(d.text or d.tool_calls for d in deltas):
             if self.ttft_s is None:
                 self.ttft_s = now - self.start
             else:
@@ -83,6 +92,12 @@ class StreamView:
     @property
     def finish_reason(self) -> str | None:
         return self._state.finish_reasons.get(0)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """Sequence 0's tool calls so far, joined from the streamed fragments (whole once it finished)."""
+        acc = self._state.tool_calls.get(0)
+        return acc.calls() if acc is not None else []
 
     @property
     def usage(self) -> Usage | None:

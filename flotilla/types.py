@@ -8,10 +8,11 @@ newer servers keep working.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.errors import FlotillaError
+from flotilla.tools import ToolCall, ToolCallDelta
 
 Json = Mapping[str, Any]
 
@@ -52,20 +53,32 @@ def _choice_text(choice: Json) -> str:
     return str(body.get("content") or "") if isinstance(body, Mapping) else ""
 
 
+def _message_tool_calls(choice: Json) -> list[ToolCall]:
+    """``message.tool_calls`` of a whole chat choice (a streamed ``delta`` has fragments instead)."""
+    message = choice.get("message")
+    calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+    return [ToolCall.from_json(c) for c in calls if isinstance(c, Mapping)] if isinstance(calls, list) else []
+
+
 @dataclass(frozen=True)
 class Choice:
-    """One generated sequence (``n`` > 1 gives several)."""
+    """One generated sequence (``n`` > 1 gives several).
+
+    ``tool_calls`` are the functions a chat reply asks for (its ``text`` is
+    then usually empty and ``finish_reason`` ``"tool_calls"``).
+    """
 
     index: int
     text: str
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, obj: Json) -> Choice:
         lp = obj.get("logprobs")
         return cls(_int(obj, "index"), _choice_text(obj), obj.get("finish_reason"),
-                   dict(lp) if isinstance(lp, Mapping) else None)
+                   dict(lp) if isinstance(lp, Mapping) else None, _message_tool_calls(obj))
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,11 @@ class Completion:
     def finish_reason(self) -> str | None:
         return self.choices[0].finish_reason if self.choices else None
 
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The first choice's tool calls (empty when it asked for none)."""
+        return self.choices[0].tool_calls if self.choices else []
+
     @classmethod
     def from_json(cls, obj: Json) -> Completion:
         choices = [Choice.from_json(c) for c in obj.get("choices") or [] if isinstance(c, Mapping)]
@@ -96,16 +114,21 @@ class Completion:
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """New text of one sequence from one streamed chunk; the last one has ``finish_reason``."""
+    """New text of one sequence from one streamed chunk; the last one has ``finish_reason``.
+
+    ``tool_calls`` holds the chunk's tool-call fragments as sent; the stream
+    joins them (``stream.tool_calls``).
+    """
 
     text: str
     index: int = 0
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     @classmethod
     def from_chunk(cls, chunk: Json) -> list[StreamDelta]:
-        """The deltas of one chunk that carry something (text, a finish or logprobs).
+        """The deltas of one chunk that carry something (text, a finish, logprobs or tool calls).
 
         A chat stream's first chunk (the role alone) and the usage chunk give none.
         """
@@ -114,8 +137,10 @@ class StreamDelta:
             if not isinstance(choice, Mapping):
                 continue
             c = Choice.from_json(choice)
-            if c.text or c.finish_reason or c.logprobs:
-                out.append(cls(c.text, c.index, c.finish_reason, c.logprobs))
+            delta = choice.get("delta")
+            calls = ToolCallDelta.list_from_json(delta.get("tool_calls")) if isinstance(delta, Mapping) else []
+            if c.text or c.finish_reason or c.logprobs or calls:
+                out.append(cls(c.text, c.index, c.finish_reason, c.logprobs, calls))
         return out
 
 

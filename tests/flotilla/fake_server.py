@@ -55,6 +55,29 @@ def chunk(text: str | None, finish: str | None = None) -> dict[str, Any]:
             "usage": None}
 
 
+def chat_completion(content: str | None, *, tool_calls: list[dict[str, Any]] | None = None,
+                    finish: str = "stop") -> dict[str, Any]:
+    """A chat reply; ``tool_calls`` in the OpenAI shape (content is then usually None)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "fake",
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def chat_chunk(delta: dict[str, Any] | None, finish: str | None = None, *,
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A chat stream chunk with one choice's ``delta`` (None: no choices, e.g. the usage chunk)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1, "model": "fake",
+            "choices": choices, "usage": usage}
+
+
 def sse(events: list[dict[str, Any]], *, drop: bool = False, done: bool = True) -> Answer:
     """Send ``events`` as SSE; ``drop`` cuts the connection after them (no terminating chunk)."""
     async def answer(request: web.Request) -> web.StreamResponse:

@@ -1,4 +1,4 @@
-"""``import flotilla`` needs aiohttp alone: no torch, Ray or pydantic."""
+"""``import flotilla`` needs aiohttp alone: no torch, Ray or pydantic (nor jsonschema, which ``parse`` imports on use)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "ray", "pydantic", "numpy", "transformers")
+HEAVY = ("torch", "ray", "pydantic", "numpy", "transformers", "jsonschema")
 
 
 def test_import_pulls_in_no_server_side_package() -> None:

@@ -15,9 +15,26 @@ def text_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def chat_ids(tokenizer: Any, conversation: list[dict[str, str]]) -> list[int]:
-    """A conversation through the chat template, with the assistant's generation prompt."""
-    ids: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+def template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders ``tools`` (it mentions them; e.g. Qwen, Hermes, Llama 3.1).
+
+    A template set (a dict of named templates) counts when any of them does:
+    Hugging Face picks its ``tool_use`` template when tools are passed.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return any(isinstance(t, str) and "tools" in t for t in template.values())
+    return isinstance(template, str) and "tools" in template
+
+
+def chat_ids(tokenizer: Any, conversation: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A conversation through the chat template, with the assistant's generation prompt.
+
+    ``tools`` (OpenAI tool objects) go to the template; give them only when
+    ``template_supports_tools`` says it renders them.
+    """
+    ids: Any = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from actors.prompt_ids import chat_ids, text_ids
+from actors.prompt_ids import chat_ids, template_supports_tools, text_ids
 
 OFFLOAD_MIN_CHARS = 2048
 
@@ -34,14 +34,15 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, *, offload_min_chars: int = OFFLOAD_MIN_CHARS) -> None:
         self.tokenizer = tokenizer
         self.offload_min_chars = offload_min_chars
+        self.supports_tools = template_supports_tools(tokenizer)  # the chat template renders ``tools``
 
     def ids(self, prompt: str) -> list[int]:
         """A text prompt's token ids (on the calling thread)."""
         return text_ids(self.tokenizer, prompt)
 
-    def chat_ids(self, conversation: list[dict[str, str]]) -> list[int]:
-        """A conversation through the chat template, with the generation prompt (on the calling thread)."""
-        return chat_ids(self.tokenizer, conversation)
+    def chat_ids(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A conversation (and ``tools``) through the chat template, with the generation prompt (this thread)."""
+        return chat_ids(self.tokenizer, conversation, tools)
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (token-id prompts pass through; the engine checks their range)."""
@@ -51,8 +52,12 @@ class PromptEncoder:
             return await asyncio.to_thread(self.ids, prompt)
         return self.ids(prompt)
 
-    async def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation; long ones (total content length) are rendered in a thread."""
-        if sum(len(turn["content"]) for turn in conversation) >= self.offload_min_chars:
-            return await asyncio.to_thread(self.chat_ids, conversation)
-        return self.chat_ids(conversation)
+    async def encode_chat(self, conversation: list[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation; long ones (content and tools) are rendered in a thread."""
+        size = sum(len(turn.get("content") or "") for turn in conversation)
+        if tools:
+            size += sum(len(str(tool)) for tool in tools)
+        if size >= self.offload_min_chars:
+            return await asyncio.to_thread(self.chat_ids, conversation, tools)
+        return self.chat_ids(conversation, tools)

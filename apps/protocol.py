@@ -9,8 +9,10 @@ express under the right name (``max_tokens`` vs ``max_completion_tokens``,
 ``top_logprobs``) are declared here.
 
 Fields beyond OpenAI's (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids``) use vLLM's names; openai-python sends them
-through ``extra_body``.
+``ignore_eos``, ``stop_token_ids``, ``structured_outputs``) use vLLM's names;
+openai-python sends them through ``extra_body``. The shapes of
+``response_format``, ``structured_outputs``, ``tools`` and ``tool_choice``
+live in ``apps.tool_protocol``.
 
 Response builders return plain JSON-ready dicts that the official ``openai``
 types parse (``Completion``, ``ChatCompletion``, ``ChatCompletionChunk``).
@@ -25,6 +27,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from apps.errors import error_response
+from apps.tool_protocol import (
+    MessageToolCall,
+    ResponseFormat,
+    StructuredOutputsParams,
+    ToolChoice,
+    ToolDefinition,
+)
 from scheduling.batch import TokenLogprobs
 from scheduling.sampling_params import MAX_LOGPROBS
 
@@ -50,11 +59,16 @@ class TextContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One chat turn. ``content`` may be null only on assistant turns."""
+    """One chat turn. ``content`` may be null only on assistant turns (e.g. one that made ``tool_calls``).
+
+    A ``tool`` turn answers the call ``tool_call_id`` of an earlier assistant turn.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class _GenerationRequest(_Strict):
@@ -79,6 +93,9 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
+    # Structured output (apps.structured_request): OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -110,9 +127,8 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none" (apps.tool_choice)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -196,15 +212,14 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    index: int, text: str | None, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One non-streaming chat choice: the assistant message."""
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text, "refusal": None},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    """One non-streaming chat choice: the assistant message (``content`` null when only tools were called)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_delta_choice(
@@ -214,11 +229,14 @@ def chat_delta_choice(
     logprobs: dict[str, Any] | None = None,
     *,
     role: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One streaming chat choice; ``role=True`` on a sequence's first chunk."""
+    """One streaming chat choice; ``role=True`` on a sequence's first chunk; ``tool_calls`` as call deltas."""
     delta: dict[str, Any] = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

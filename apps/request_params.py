@@ -1,7 +1,7 @@
 """From an HTTP body to engine inputs: parse, pick the prompt, build SamplingParams.
 
 The HTTP layer's order is: :func:`parse_request` (size, JSON, types),
-:func:`check_model`, :func:`completion_prompts` or :func:`chat_messages`,
+:func:`check_model`, :func:`completion_prompts` or :func:`chat_prompt`,
 tokenize (the engine refuses out-of-vocabulary ids with param "prompt"), then
 :func:`to_sampling_params` with each prompt's length. Every failure raises
 ``APIError``, ``InvalidParameterError`` or pydantic ``ValidationError``, which
@@ -22,6 +22,9 @@ from pydantic import BaseModel
 
 from apps.errors import APIError
 from apps.protocol import ChatCompletionRequest, CompletionRequest
+from apps.structured_request import structured_output
+from apps.tool_choice import tool_plan
+from apps.tool_prompt import conversation, offered_tools
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
@@ -123,35 +126,24 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return batch
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The conversation as ``[{"role", "content"[, "name"]}]`` for the chat template.
+def chat_prompt(
+    req: ChatCompletionRequest, *, template_tools: bool = False
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """``(conversation, tools)`` for the chat template (``apps.tool_prompt``).
 
-    Text content parts are joined with newlines. Tool calling and structured
-    output are not served: non-empty ``tools``, a ``tool_choice`` other than
-    "none" and a ``response_format`` other than text are refused rather than
-    silently ignored.
+    Text content parts are joined with newlines. ``template_tools`` says the
+    template knows tools: then ``tools`` is the list to pass it (None when the
+    request offers none); otherwise the tools are in a system message and
+    ``tools`` is None. Bad tools or tool_choice raise ``InvalidParameterError``.
     """
-    if req.tools:
-        raise InvalidParameterError("tools", "tool calling is not supported")
-    if req.tool_choice is not None and req.tool_choice != "none":
-        raise InvalidParameterError("tool_choice", "tool calling is not supported")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise InvalidParameterError("response_format", "only the 'text' response format is supported")
-    if not req.messages:
-        raise InvalidParameterError("messages", "at least one message is required")
-    conversation: list[dict[str, str]] = []
-    for i, msg in enumerate(req.messages):
-        if msg.content is None and msg.role != "assistant":
-            raise InvalidParameterError("messages", f"messages[{i}].content is required for role {msg.role!r}")
-        if isinstance(msg.content, list):
-            text = "\n".join(part.text for part in msg.content)
-        else:
-            text = msg.content or ""
-        turn = {"role": msg.role, "content": text}
-        if msg.name is not None:
-            turn["name"] = msg.name
-        conversation.append(turn)
-    return conversation
+    plan = tool_plan(req)
+    turns = conversation(req.messages, plan, template_tools=template_tools)
+    return turns, (offered_tools(plan) if template_tools else None)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as ``[{"role", "content"[, "name"]}]`` for a template that does not know tools."""
+    return chat_prompt(req)[0]
 
 
 def _check_completion_features(req: CompletionRequest) -> None:
@@ -206,6 +198,7 @@ def to_sampling_params(
     name when prompt + budget exceeds ``max_model_len``, and with
     "logit_bias" for a key that is not a token id or a value outside
     [-100, 100] (ids past the vocabulary are the engine's to refuse).
+    The output constraint comes from ``apps.structured_request``.
     """
     if num_prompt_tokens <= 0:
         raise InvalidParameterError("prompt", "the prompt is empty")
@@ -239,4 +232,5 @@ def to_sampling_params(
         logprobs=logprobs,
         n=1 if req.n is None else req.n,
         logit_bias=_logit_bias(req.logit_bias),  # type: ignore[arg-type]  # a dict is normalised
+        structured_output=structured_output(req),
     )

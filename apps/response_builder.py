@@ -15,16 +15,26 @@ before, so offsets are found from the delta's end: a token whose text ends
 the rest starts that much earlier; a piece of a character starts in the
 character before; a token with no text of its own (special, or still held
 back) starts where the next text will. Offsets never pass the text.
+
+Tool calls (chat with a ``ToolPlan`` that parses the output): each choice's
+text goes through its own ``ToolScanner`` (``apps.tool_scanners``), whose
+events become the message's content and ``tool_calls``, or the chunks'
+deltas. A call's opening delta (id, name, empty arguments) is a chunk of its
+own; argument pieces follow in later chunks, as OpenAI streams them. A choice
+that called a tool and stopped normally finishes with "tool_calls".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors.outputs import SequenceDelta
 from apps import protocol as p
 from apps.request_kind import RequestKind
+from apps.tool_deltas import chunk_deltas, finish_reason
+from apps.tool_scanners import ToolEvent, ToolScanner, fold_tool_calls
 from scheduling.batch import TokenLogprobs
 
 
@@ -36,19 +46,23 @@ class _Piece:
     entries: list[TokenLogprobs] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     finish: str | None = None
+    events: list[ToolEvent] = field(default_factory=list)  # with a tool scanner: its events (text is content)
 
 
 class ResponseBuilder:
     """Builds one request's choices (``add`` then ``choices``) or chunks (``chunks``)."""
 
     def __init__(self, kind: RequestKind, model: str, created: int, want_logprobs: bool, decode: p.Decode,
-                 token_bytes: p.TokenBytes, num_choices: int) -> None:
+                 token_bytes: p.TokenBytes, num_choices: int,
+                 tool_scanner: Callable[[], ToolScanner] | None = None) -> None:
         self.kind, self.model, self.created = kind, model, created
         self.shape = kind.shape
         self.want_logprobs = want_logprobs
         self.decode, self.token_bytes = decode, token_bytes
         self._emitted = [0] * num_choices  # characters of each choice's text so far
         self._whole = [_Piece() for _ in range(num_choices)]  # filled by ``add`` (non-streaming)
+        assert tool_scanner is None or kind is RequestKind.CHAT, "tool calls are chat's"
+        self._scanners = [tool_scanner() for _ in range(num_choices)] if tool_scanner else None
 
     def _take(self, piece: _Piece, delta: SequenceDelta) -> None:
         """Append ``delta`` to ``piece``, with the text offsets of its tokens."""
@@ -64,9 +78,17 @@ class ResponseBuilder:
             offsets[k] = base + position
         piece.offsets.extend(offsets)
         piece.entries.extend(entries)
-        piece.text += delta.text
         piece.finish = delta.finish_reason or piece.finish
         self._emitted[delta.index] += len(delta.text)
+        if self._scanners is None:
+            piece.text += delta.text
+            return
+        scanner = self._scanners[delta.index]
+        events = scanner.feed(delta.text)
+        if delta.finish_reason is not None:
+            events += scanner.finish()
+        piece.events.extend(events)
+        piece.text += "".join(e for e in events if isinstance(e, str))
 
     def _logprobs(self, piece: _Piece) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -82,8 +104,16 @@ class ResponseBuilder:
 
     def choices(self, finish_reasons: list[str | None]) -> list[dict[str, Any]]:
         """Every choice of a non-streaming response, in index order."""
-        return [self.shape.choice(i, piece.text, finish_reasons[i], self._logprobs(piece))
-                for i, piece in enumerate(self._whole)]
+        if self._scanners is None:
+            return [self.shape.choice(i, piece.text, finish_reasons[i], self._logprobs(piece))
+                    for i, piece in enumerate(self._whole)]
+        out = []
+        for i, piece in enumerate(self._whole):
+            content, calls = fold_tool_calls(piece.events)
+            finish = finish_reason(finish_reasons[i], bool(calls))
+            out.append(p.chat_choice(i, content if content or not calls else None, finish,
+                                     self._logprobs(piece), calls))
+        return out
 
     # ------------------------------------------------------------ stream
     def opening_chunks(self, request_id: str) -> list[dict[str, Any]]:
@@ -107,5 +137,13 @@ class ResponseBuilder:
         for d in deltas:
             self._take(pieces.setdefault(d.index, _Piece()), d)
         build, wrap = self.shape.delta_choice, self.shape.chunk
-        return [wrap(request_id, self.model, self.created, [build(i, pc.text, pc.finish, self._logprobs(pc))])
-                for i, pc in pieces.items() if pc.text or pc.finish or pc.entries]
+        if self._scanners is None:
+            return [wrap(request_id, self.model, self.created, [build(i, pc.text, pc.finish, self._logprobs(pc))])
+                    for i, pc in pieces.items() if pc.text or pc.finish or pc.entries]
+        chunks: list[dict[str, Any]] = []
+        for i, pc in pieces.items():
+            called = self._scanners[i].num_calls > 0
+            choices = chunk_deltas(i, pc.events, finish_reason(pc.finish, called), self._logprobs(pc),
+                                   has_tokens=bool(pc.entries))
+            chunks.extend(wrap(request_id, self.model, self.created, [choice]) for choice in choices)
+        return chunks

@@ -17,6 +17,11 @@ the handler's ``finally`` (JSON) or ``EventStreamResponse``'s ``on_close``
 done-callback on the handler's task covers the gap between returning the
 SSE response and sending its first byte.
 
+Structured output (``response_format``, ``structured_outputs``) becomes
+``SamplingParams.structured_output`` (``apps.structured_request``); chat
+``tools``/``tool_choice`` shape the prompt, the constraint and a per-choice
+output parser (``apps.tool_choice``, ``apps.tool_prompt``, ``apps.tool_scanners``).
+
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
 SSE), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
 ``POST /detokenize``.
@@ -57,6 +62,7 @@ from apps.responses import RETRY_AFTER_S, error_json, sse, whole
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
 from apps.token_text import TokenText
+from apps.tool_choice import tool_plan
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
@@ -206,7 +212,8 @@ class LLMServer(ReplicaStats):
             if (req.prompt is None) == (req.messages is None):
                 raise APIError(400, "give exactly one of prompt or messages", param="prompt")
             if req.messages is not None:
-                ids = await self._encoder.encode_chat(rq.chat_messages(p.ChatCompletionRequest(messages=req.messages)))
+                chat = p.ChatCompletionRequest(messages=req.messages)
+                ids = await self._encoder.encode_chat(*rq.chat_prompt(chat, template_tools=self._encoder.supports_tools))
             else:
                 assert req.prompt is not None  # exactly one of the two, checked above
                 ids = await self._encoder.encode(req.prompt)
@@ -249,7 +256,8 @@ class LLMServer(ReplicaStats):
             ids = [await self._encoder.encode(one) for one in prompts]
         else:
             req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
-            ids = [await self._encoder.encode_chat(rq.chat_messages(req))]
+            turns, tools = rq.chat_prompt(req, template_tools=self._encoder.supports_tools)
+            ids = [await self._encoder.encode_chat(turns, tools)]
         model = rq.check_model(req.model, self.model_name)
         params = [rq.to_sampling_params(req, max_model_len=self.config.max_model_len, num_prompt_tokens=len(one))
                   for one in ids]
@@ -291,8 +299,9 @@ class LLMServer(ReplicaStats):
         task = asyncio.current_task()
         if task is not None:
             task.add_done_callback(lambda _: release())
+        scanner = tool_plan(req).scanner() if isinstance(req, p.ChatCompletionRequest) else None
         out = ResponseBuilder(kind, model, int(time.time()), params[0].logprobs is not None,
-                              self._token_text.text, self._token_text.bytes_of, stream.n)
+                              self._token_text.text, self._token_text.bytes_of, stream.n, scanner)
         if req.stream:
             return EventStreamResponse(sse(stream, out, req.include_usage, release), release)
         return await whole(stream, out, release)

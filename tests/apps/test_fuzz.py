@@ -38,10 +38,11 @@ BASES: dict[str, dict[str, Any]] = {
 FIELDS = {
     "completion": ["model", "prompt", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p",
                    "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "ignore_eos", "logprobs", "echo", "suffix", "best_of", "user"],
+                   "repetition_penalty", "ignore_eos", "logprobs", "echo", "suffix", "best_of", "user",
+                   "response_format", "structured_outputs"],
     "chat": ["model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
-             "temperature", "top_p", "top_k", "stop", "seed", "logprobs", "top_logprobs", "tools",
-             "response_format", "ignore_eos", "stop_token_ids", "user"],
+             "temperature", "top_p", "top_k", "stop", "seed", "logprobs", "top_logprobs", "tools", "tool_choice",
+             "response_format", "structured_outputs", "ignore_eos", "stop_token_ids", "user"],
 }
 MAX_MODEL_LEN = int(ENGINE["max_model_len"])
 CLIENT_TIMEOUT_S = 20.0  # far above any cheap request; past it the request counts as hung
@@ -75,7 +76,27 @@ def _value(field: str) -> st.SearchStrategy[Any]:
         return st.one_of(st.lists(message, max_size=4), junk)
     if field == "prompt":
         return st.one_of(st.sampled_from(ODD_STRINGS), st.lists(st.integers(), max_size=20), junk)
+    if field in STRUCTURED:
+        return st.one_of(STRUCTURED[field], junk)
     return junk
+
+
+# Specs that reach the engine's grammar compile (some compile, some must be refused there).
+SPECS = ["((", "a*", "[", "(a+)+$", "\\", "{", "root ::= x", 'root ::= "a"', "root ::= root", '{"type": 5}']
+_schema = st.one_of(st.just({"type": "object"}), st.sampled_from([{"type": "string", "maxLength": 2},
+                                                                  {"$ref": "#/nope"}, {"enum": []}]), junk)
+_function = st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["f", "g", ""]), junk)},
+                                  optional={"parameters": _schema})
+STRUCTURED: dict[str, st.SearchStrategy[Any]] = {
+    "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]),
+                                          st.one_of(st.sampled_from(SPECS), _schema), min_size=1, max_size=2),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.fixed_dictionaries({"type": st.just("json_schema"),
+                               "json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": _schema})})),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": _function}), max_size=3),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+}
 
 
 @st.composite

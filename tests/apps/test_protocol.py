@@ -113,12 +113,12 @@ BAD_CHAT = [
     ({**M, "logprobs": "yes"}, "logprobs"), ({**M, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({**M, "logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({**M, "top_logprobs": 2}, "top_logprobs"),
     ({**M, "temperature": 3}, "temperature"), ({**M, "n": MAX_N + 1}, "n"), ({**M, "stop": ""}, "stop"),
-    ({**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**M, "tools": [{"type": "function", "function": {}}]}, "tools"),
     ({**M, "tool_choice": "auto"}, "tool_choice"), ({**M, "tool_choice": "required"}, "tool_choice"),
     ({**M, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({**M, "logit_bias": {"5": 200}}, "logit_bias"),
-    ({**M, "response_format": {"type": "json_object"}}, "response_format"),
-]
+    ({**M, "response_format": {"type": "xml"}}, "response_format"),
+]  # tools and response_format in depth: tests/apps/test_structured_request.py, test_tool_calls.py
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_CHAT)

@@ -15,6 +15,10 @@
                                       write the edit / questions chat workloads of bench spec
   flotilla bench accuracy --model M --workload W.jsonl --against JSON [--base JSON]
                                       greedy agreement, KL, KV pages and speed of a config change (JSON)
+  flotilla bench structured validity --base-url http://127.0.0.1:PORT/v1
+                                      JSON-schema replies and forced tool calls validate? (JSON; exit 1 if not)
+  flotilla bench structured overhead --model M
+                                      per-step cost of constrained decoding at a mixed batch of 32 (JSON)
 
 Imports: the parser modules are light and imported here; each benchmark's
 runner (torch, Ray, the app) is imported when its subcommand runs, so that
@@ -32,6 +36,7 @@ from cli.bench.accuracy_cli import add_bench_accuracy_parser
 from cli.bench.autoscale_cli import add_bench_autoscale_parser
 from cli.bench.serve_cli import add_bench_serve_parser
 from cli.bench.spec_cli import add_bench_spec_parsers
+from cli.bench.structured_cli import add_bench_structured_parser
 from cli.plan.cli import add_plan_parser
 from cli.serve import add_serve_parser
 from scheduling.errors import InvalidParameterError
@@ -98,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_autoscale_parser(bench_sub)
     add_bench_spec_parsers(bench_sub)
     add_bench_accuracy_parser(bench_sub)
+    add_bench_structured_parser(bench_sub)
     sched = bench_sub.add_parser("scheduler", help="schedule()+update() and match_prefix cost")
     sched.add_argument("--sizes", default="64,256,1024", help="running decodes to measure, comma-separated")
     sched.add_argument("--steps", type=int, default=200, help="timed steps per size")

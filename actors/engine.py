@@ -63,7 +63,7 @@ class LLMEngine:
         # Structured output: constraints compiled once each, one matcher per constrained sequence.
         self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
                                        timeout_s=config.grammar_compile_timeout_s)
-        self.grammar_states = GrammarStates(self.vocab_size)
+        self.grammar_states = GrammarStates(self.vocab_size, self.grammar.closing_path)
         self.constrained_requests = Counter[str]()  # requests added with a constraint, by kind
         # Seconds spent on the step's critical path filling token masks and advancing matchers.
         self.grammar_seconds_total = 0.0
@@ -122,7 +122,7 @@ class LLMEngine:
                 children.append(sid)
                 self._seqs[sid] = _Sequence(request_id, i, params.logprobs is not None)
                 if grammar is not None and constraint is not None:
-                    self.grammar_states.add(sid, grammar)
+                    self.grammar_states.add(sid, grammar, child_params.max_tokens)
         except Exception:
             for sid in children:
                 self.scheduler.abort(sid)
@@ -255,6 +255,8 @@ class LLMEngine:
             if batch.token_masks is not None and not self._accept(req.request_id, tokens):
                 refused.append(seq.request_id)
             reason = req.finish_reason  # set by the scheduler's StopRule when this token ended it
+            if reason == "stop" and self.grammar_states.forced(req.request_id):
+                reason = req.finish_reason = "length"  # complete, but the budget (not the model) ended it
             done = reason is not None
             logprobs: list[TokenLogprobs] | None = None
             if seq.want_logprobs:

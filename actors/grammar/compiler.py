@@ -31,6 +31,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from actors.grammar.closing import ClosingPath
 from scheduling.errors import InvalidParameterError
 from scheduling.structured_output import StructuredOutput
 
@@ -59,6 +60,8 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self.max_cached = max_cached
         self._compiler: xgr.GrammarCompiler | None = None  # built on the worker by the first compile
+        self._closing: ClosingPath | None = None
+        self._info: xgr.TokenizerInfo | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
@@ -148,7 +151,17 @@ class GrammarCompiler:
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop or None,
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._info = info
         return self._compiler
+
+    def closing_path(self) -> ClosingPath:
+        """Shortest-completion walks over this vocabulary (after a compile: it reads the same vocabulary)."""
+        if self._closing is None:
+            assert self.eos_token_id is not None, "constrained requests need an end-of-sequence token"
+            self._xgr()
+            assert self._info is not None
+            self._closing = ClosingPath(self._info, self.eos_token_id)
+        return self._closing
 
     # ---------------------------------------------------------------- metrics
     def compile_seconds(self) -> tuple[int, tuple[float, ...]]:

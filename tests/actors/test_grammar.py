@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
@@ -130,8 +131,8 @@ def _batch(drafts: list[list[int]] | None, n: int) -> Batch:
 
 def test_masks_look_ahead_through_drafts_and_roll_back(compiler: GrammarCompiler) -> None:
     grammar = compiler.compile(StructuredOutput.choice(["abc", "abd"]))
-    states = GrammarStates(VOCAB)
-    states.add("s0", grammar)
+    states = GrammarStates(VOCAB, compiler.closing_path)
+    states.add("s0", grammar, max_tokens=64)
     # s1 is unconstrained; s0 drafts "ab" then "x" (refused: rows after it get no mask).
     masks = states.masks(_batch([ids("abx"), ids("zz")], 2), ["s0", "s1"])
     assert masks is not None and masks.rows == [0, 1, 2]  # s0's rows 0..2; row 3 (after "x") and s1 unmasked
@@ -176,3 +177,37 @@ def test_strings_and_regex_dots_never_take_surrogates(compiler: GrammarCompiler)
 def accepts_bytes(grammar: xgr.CompiledGrammar, data: bytes) -> bool:
     m = xgr.GrammarMatcher(grammar)
     return all(m.accept_token(b) for b in data) and m.accept_token(EOS)
+
+
+def test_the_closing_walk_reaches_a_complete_output_and_leaves_the_matcher(compiler: GrammarCompiler) -> None:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["x", "yy"]}, "minItems": 2, "maxItems": 4}},
+        "required": ["name", "age", "tags"]}
+    grammar = compiler.compile(StructuredOutput.json_schema(schema))
+    matcher = xgr.GrammarMatcher(grammar)
+    assert all(matcher.accept_token(t) for t in ids('{"name": "abc'))
+    closing = compiler.closing_path()
+    path = closing.walk(matcher, 200)
+    assert path is not None and path[-1] == EOS
+    text = '{"name": "abc' + bytes(path[:-1]).decode()  # byte-level: token b is byte b
+    jsonschema.validate(json.loads(text), schema)
+    assert closing.walk(matcher, len(path) - 1) is None  # not within fewer tokens
+    assert matcher.accept_token(ids("d")[0])  # the walk ran on a fork: the string is still open
+
+
+def test_rows_follow_the_closing_walk_when_the_budget_runs_out(compiler: GrammarCompiler) -> None:
+    grammar = compiler.compile(StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "string"}},
+                                                             "required": ["a"]}))
+    states = GrammarStates(VOCAB, compiler.closing_path)
+    states.add("s0", grammar, max_tokens=12)  # slack 12 // 8 = 1 token
+    assert states.accept("s0", ids('{"a": "xy'))  # 9 tokens out, 3 left: the walk needs 3 ('"', '}', EOS)
+    batch = Batch(0, [0], [0], [1], [1], [[0]], [0], [SamplingParams(temperature=1.0)], [9], [None], [None])
+    masks = states.masks(batch, ["s0"])
+    assert masks is not None and allowed_from(masks, 0) == set(ids('"'))
+    assert states.forced("s0")
+    # With budget to spare the row is the grammar's full mask.
+    states.add("s1", grammar, max_tokens=200)
+    assert states.accept("s1", ids('{"a": "xy'))
+    roomy = states.masks(Batch(0, [0], [0], [1], [1], [[0]], [0], [SamplingParams()], [9], [None], [None]), ["s1"])
+    assert roomy is not None and len(allowed_from(roomy, 0)) > 100 and not states.forced("s1")

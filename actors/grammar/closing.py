@@ -38,6 +38,7 @@ class ClosingPath:
             if len(text) == 1 and text[0] not in byte_token:
                 byte_token[text[0]] = token_id
         self.byte_token = byte_token
+        self.token_bytes = [len(text) for text in info.decoded_vocab]  # bytes a token adds to the output
         self.eos = eos_token_id
         tail = [b for b in range(256) if b not in _PREFERRED]
         self.candidates = [byte_token[b] for b in [*_PREFERRED, *tail] if b in byte_token]

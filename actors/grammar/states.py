@@ -30,6 +30,9 @@ from scheduling.batch import Batch, TokenMasks
 # (say by opening an object whose required keys must then be written), so closing starts early;
 # by at most an eighth of max_tokens, so a short budget still leaves the model its choices.
 CLOSING_SLACK = 32
+# The most a walk is assumed to change by per token (a token is rarely longer): between walks,
+# a sequence skips the steps in which the walk could not have reached its budget.
+WALK_CHANGE_PER_TOKEN = 16
 
 
 @dataclass(slots=True)
@@ -38,6 +41,9 @@ class _Constrained:
     max_tokens: int
     watch_from: int  # check the closing walk every step once this many tokens (or fewer) are left
     slack: int  # start closing when the walk plus this many tokens needs all that is left
+    next_walk: int  # the tokens left at which to walk next (once within ``watch_from``)
+    walk_bytes: int | None = None  # the last walk's length, and the output bytes added since
+    bytes_since: int = 0
     forced: bool = False  # its rows followed a closing walk
 
 
@@ -65,7 +71,7 @@ class GrammarStates:
         first = self._closing().walk(matcher, MAX_CLOSING_BYTES)
         slack = min(CLOSING_SLACK, max_tokens // 8)
         watch = 2 * (len(first) if first is not None else MAX_CLOSING_BYTES // 2) + slack
-        self._seqs[seq_id] = _Constrained(matcher, max_tokens, watch, slack)
+        self._seqs[seq_id] = _Constrained(matcher, max_tokens, watch, slack, watch)
 
     def remove(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
@@ -100,14 +106,26 @@ class GrammarStates:
         return TokenMasks(rows, bitmask[: len(rows)])
 
     def _closing_path(self, seq: _Constrained, left: int) -> list[int] | None:
-        """The walk ``seq`` must follow now, or None while it has tokens to spare."""
+        """The walk ``seq`` must follow now, or None while it has tokens to spare (or none fits).
+
+        Between walks: output bytes shorten a completion by at most their
+        number, so while the last walk less the bytes since is longer than
+        what is left, no walk can fit; and with tokens to spare, a walk grows
+        by at most ``WALK_CHANGE_PER_TOKEN`` a token, so the steps before it
+        could reach the budget are skipped.
+        """
         if left > seq.watch_from:
             return None
-        path = self._closing().walk(seq.matcher, left)
-        if path is None or len(path) + seq.slack < left:
+        if seq.walk_bytes is not None and (seq.walk_bytes - seq.bytes_since > left or left > seq.next_walk):
             return None
-        seq.forced = True
-        return path
+        path = self._closing().walk(seq.matcher, MAX_CLOSING_BYTES)
+        length = len(path) if path is not None else 2 * MAX_CLOSING_BYTES
+        seq.walk_bytes, seq.bytes_since = length, 0
+        if path is not None and left - seq.slack <= length <= left:
+            seq.forced = True
+            return path
+        seq.next_walk = left - max(1, (left - seq.slack - length) // WALK_CHANGE_PER_TOKEN)
+        return None
 
     def _follow(self, path: list[int], draft: list[int], first: int, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Force each row onto ``path`` while the drafts before it agree with the path."""
@@ -142,4 +160,7 @@ class GrammarStates:
         seq = self._seqs.get(seq_id)
         if seq is None:
             return True
+        if seq.walk_bytes is not None:
+            sizes = self._closing().token_bytes
+            seq.bytes_since += sum(sizes[t] for t in tokens)
         return all(seq.matcher.accept_token(token) for token in tokens)

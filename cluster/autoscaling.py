@@ -7,6 +7,11 @@ is testable without Ray. Rules, with ``n`` replicas and per-replica loads:
   P95 / SLO). Pressure above 1 is the *up* condition.
 - *down* condition: every queue is empty and every replica's P95s (and KV use
   by running requests) sit within ``headroom`` of their limits.
+- With prefill/decode disaggregation each pool is its own deployment with its
+  own config; ``AutoscalingConfig.pool`` swaps the two signals above for the
+  pool's own (prefill: queued prompt tokens and TTFT; decode: running
+  sequences and TPOT; see ``cluster.autoscaling_pools``). Every rule below is
+  the same for all pools.
 - Between the two lies a dead band where nothing changes and both timers
   reset: that band, plus the timers, is the hysteresis that stops flapping.
 - A condition must hold for ``upscale_delay_s`` / ``downscale_delay_s``
@@ -38,7 +43,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+# AutoscalingConfig, pressure and is_idle live beside the pools they read; callers import them here.
 from cluster.autoscaling_metrics import ReplicaLoad, loads_from_metrics
+from cluster.autoscaling_pools import AutoscalingConfig, check_pool_options, is_idle, pressure
 from scheduling.errors import InvalidParameterError
 
 if TYPE_CHECKING:
@@ -52,42 +59,6 @@ STATE_KEY = "flotilla_policy_state"
 # Float slack: 2 * 1.5 must not ceil to 4, nor 30 s of delay measure 29.999... s.
 _EPS = 1e-9
 _DELAY_EPS_S = 1e-6
-
-
-@dataclass(frozen=True, slots=True)
-class AutoscalingConfig:
-    """Bounds, targets and timing of the SLO-aware policy, validated when built."""
-
-    min_replicas: int = 1
-    max_replicas: int = 1
-    target_queue_per_replica: float = 4.0
-    slo_ttft_ms: float = 2000.0
-    slo_tpot_ms: float = 100.0
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 300.0
-    headroom: float = 0.7
-    max_step_up: int = 4
-
-    def __post_init__(self) -> None:
-        if self.min_replicas < 0:
-            raise InvalidParameterError("min_replicas", f"must be >= 0, got {self.min_replicas}")
-        if self.max_replicas < max(1, self.min_replicas):
-            raise InvalidParameterError(
-                "max_replicas",
-                f"must be >= 1 and >= min_replicas ({self.min_replicas}), got {self.max_replicas}",
-            )
-        for name in ("target_queue_per_replica", "slo_ttft_ms", "slo_tpot_ms"):
-            value = getattr(self, name)
-            if not value > 0 or math.isinf(value):
-                raise InvalidParameterError(name, f"must be a finite number > 0, got {value}")
-        for name in ("upscale_delay_s", "downscale_delay_s"):
-            value = getattr(self, name)
-            if not value >= 0 or math.isinf(value):
-                raise InvalidParameterError(name, f"must be a finite number >= 0, got {value}")
-        if not 0 < self.headroom < 1:
-            raise InvalidParameterError("headroom", f"must be in (0, 1), got {self.headroom}")
-        if self.max_step_up < 1:
-            raise InvalidParameterError("max_step_up", f"must be >= 1, got {self.max_step_up}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,30 +92,6 @@ class Decision(NamedTuple):
     desired_replicas: int
     state: PolicyState
     reason: str
-
-
-def pressure(config: AutoscalingConfig, loads: list[ReplicaLoad]) -> float:
-    """How far the fleet is over target: above 1.0 means add replicas; 0.0 with no loads."""
-    if not loads:
-        return 0.0
-    queue = sum(load.num_waiting for load in loads) / len(loads)
-    ttft = max(load.ttft_p95_ms for load in loads)
-    tpot = max(load.tpot_p95_ms for load in loads)
-    return max(
-        queue / config.target_queue_per_replica, ttft / config.slo_ttft_ms, tpot / config.slo_tpot_ms
-    )
-
-
-def is_idle(config: AutoscalingConfig, loads: list[ReplicaLoad]) -> bool:
-    """True when queues are empty and every SLO (and KV use) holds with headroom."""
-    h = config.headroom
-    return bool(loads) and all(
-        load.num_waiting <= 0
-        and load.ttft_p95_ms <= h * config.slo_ttft_ms
-        and load.tpot_p95_ms <= h * config.slo_tpot_ms
-        and load.kv_usage <= h
-        for load in loads
-    )
 
 
 def decide(
@@ -208,7 +155,8 @@ class SLOAutoscalingPolicy:
             policy_kwargs: {slo_ttft_ms: 1500, upscale_delay_s: 20}
 
     ``policy_kwargs`` are ``AutoscalingConfig`` fields except the bounds, which
-    come from each tick's capacity-adjusted ``min_replicas`` / ``max_replicas``.
+    come from each tick's capacity-adjusted ``min_replicas`` / ``max_replicas``;
+    a disaggregated app's pools add ``pool: prefill`` or ``pool: decode``.
     """
 
     def __init__(self, **policy_kwargs: Any) -> None:
@@ -217,7 +165,10 @@ class SLOAutoscalingPolicy:
                 raise InvalidParameterError(bound, "set it in autoscaling_config, not policy_kwargs")
         # Validate now, at deploy time, rather than on the first tick.
         self._kwargs = dict(policy_kwargs)
+        check_pool_options(self._kwargs)
         AutoscalingConfig(min_replicas=0, max_replicas=1, **self._kwargs)
+        pool = self._kwargs.get("pool")
+        self._log_prefix = f"flotilla autoscaling ({pool})" if pool else "flotilla autoscaling"
         self.last_reason = ""
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
@@ -255,7 +206,7 @@ class SLOAutoscalingPolicy:
             held = PolicyState(None, None, target, state.last_change_at)
             decision = Decision(target, held, "hold: scaling down in progress")
         if decision.desired_replicas != ctx.target_num_replicas:  # a new decision, not a tick
-            logger.info("flotilla autoscaling: %s", decision.reason)
+            logger.info("%s: %s", self._log_prefix, decision.reason)
         self.last_reason = decision.reason
         policy_state[STATE_KEY] = decision.state.to_dict()
         return decision.desired_replicas, policy_state
@@ -275,10 +226,15 @@ def serve_autoscaling_config(options: dict[str, Any]) -> dict[str, Any]:
 
     ``policy: flotilla`` (default): this module's policy, with the other keys
     (``AutoscalingConfig`` fields: SLOs, ``target_queue_per_replica``, delays,
-    ``headroom``, ``max_step_up``) as its ``policy_kwargs``, and Serve's own
-    delays zeroed. ``policy: default``: Serve's request-based policy with
+    ``headroom``, ``max_step_up``; for a disaggregated app's pools, ``pool`` and
+    ``target_prompt_tokens_per_replica`` / ``target_running_per_replica``) as
+    its ``policy_kwargs``, and Serve's own delays zeroed. A target the pool
+    never reads is rejected, not ignored (``slo_ttft_ms`` on ``pool: decode``).
+    ``policy: default``: Serve's request-based policy with
     ``target_ongoing_requests`` (default 2) and the same bounds and delays, for
-    side-by-side runs. Invalid values raise ``InvalidParameterError`` here.
+    side-by-side runs; a ``pool`` given with it is checked, then unused (Serve's
+    policy counts requests whatever the replica does). Invalid values raise
+    ``InvalidParameterError`` here.
     """
     opts = dict(options)
     kind = opts.pop("policy", "flotilla")
@@ -286,6 +242,7 @@ def serve_autoscaling_config(options: dict[str, Any]) -> dict[str, Any]:
     lo, hi = int(serve.get("min_replicas", 1)), int(serve.get("max_replicas", 1))
     serve["min_replicas"], serve["max_replicas"] = lo, hi
     if kind == "default":
+        check_pool_options({"pool": opts.pop("pool", None)})
         own: dict[str, Any] = {k: opts.pop(k) for k in ("upscale_delay_s", "downscale_delay_s") if k in opts}
         target = opts.pop("target_ongoing_requests", 2.0)
         if opts:
@@ -298,6 +255,7 @@ def serve_autoscaling_config(options: dict[str, Any]) -> dict[str, Any]:
     for key in opts:
         if key not in known:
             raise InvalidParameterError(key, f"unknown autoscaling option; known: {sorted(known)}")
+    check_pool_options(opts)
     AutoscalingConfig(min_replicas=lo, max_replicas=hi, **opts)
     return {**serve, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
             "policy": {"policy_function": POLICY_PATH, "policy_kwargs": opts}}

@@ -19,23 +19,30 @@ METRIC_NUM_RUNNING = "flotilla_num_running"
 METRIC_KV_USAGE = "flotilla_kv_usage"
 METRIC_TTFT_P95_MS = "flotilla_ttft_ms_p95"
 METRIC_TPOT_P95_MS = "flotilla_tpot_ms_p95"
+METRIC_NUM_WAITING_PROMPT_TOKENS = "flotilla_num_waiting_prompt_tokens"
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
-    """What one replica reports: queue, batch, KV use (0..1) and latency P95s in ms."""
+    """What one replica reports: queue, batch, KV use (0..1), latency P95s in ms, queued prompt tokens.
+
+    ``num_waiting_prompt_tokens``: prompt tokens its waiting requests still
+    have to compute (the prefill pool's load; ``cluster.autoscaling_pools``).
+    """
 
     num_waiting: float = 0.0
     num_running: float = 0.0
     kv_usage: float = 0.0
     ttft_p95_ms: float = 0.0
     tpot_p95_ms: float = 0.0
+    num_waiting_prompt_tokens: float = 0.0
 
 
 def autoscaling_stats(stats: EngineStats, *, ttft_ms_p95: float, tpot_ms_p95: float) -> dict[str, float]:
     """The metrics a replica returns from ``record_autoscaling_stats``.
 
-    Queue and KV figures come from the engine's ``stats``; the latency P95s
+    Queue (requests and their prompt tokens still to compute) and KV figures
+    come from the engine's ``stats``; the latency P95s
     are the replica's recent window (``apps.replica_stats``), passed apart
     so the engine's own, longer window is never mistaken for them.
     KV use counts only pages owned or pinned by running requests: prefix-cache
@@ -49,6 +56,7 @@ def autoscaling_stats(stats: EngineStats, *, ttft_ms_p95: float, tpot_ms_p95: fl
         METRIC_KV_USAGE: busy / total if total > 0 else 0.0,
         METRIC_TTFT_P95_MS: ttft_ms_p95,
         METRIC_TPOT_P95_MS: tpot_ms_p95,
+        METRIC_NUM_WAITING_PROMPT_TOKENS: float(stats.num_waiting_prompt_tokens),
     }
 
 
@@ -71,6 +79,7 @@ def loads_from_metrics(metrics: dict[str, dict[Any, float]] | None) -> list[Repl
             kv_usage=get(METRIC_KV_USAGE, r),
             ttft_p95_ms=get(METRIC_TTFT_P95_MS, r),
             tpot_p95_ms=get(METRIC_TPOT_P95_MS, r),
+            num_waiting_prompt_tokens=get(METRIC_NUM_WAITING_PROMPT_TOKENS, r),
         )
         for r in waiting
     ]

@@ -34,7 +34,8 @@ def chat_ids(tokenizer: Any, conversation: list[dict[str, Any]],
     ``tools`` (OpenAI tool objects) go to the template; give them only when
     ``template_supports_tools`` says it renders them.
     """
-    ids: Any = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
+    extra = {} if tools is None else {"tools": tools}  # only when given: not every tokenizer takes the keyword
+    ids: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **extra)
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -9,6 +9,7 @@ weights and its slice of the KV pool. It knows nothing of requests. With
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from kvcache.kv_pool import (
     bytes_per_page,
     plan_num_pages,
 )
+from kvcache.kv_transfer import KVPayloadMismatchError
 from kvcache.torch_attention import TorchPagedAttention
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
@@ -182,8 +184,39 @@ class ModelRunner:
         """Forward the step's tokens, then sample one token per sampled sequence.
 
         Ranks other than 0 run the same forward (and logits: the collectives
-        need every rank) but return an empty ``StepOutput``.
+        need every rank) but return an empty ``StepOutput`` (save its
+        ``kv_exports``).
+
+        KV transfer (prefill/decode disaggregation, ``kvcache.kv_transfer``):
+        ``batch.kv_imports`` are written into this rank's pool before the
+        forward (this rank's payload of each); after it, the pages each
+        ``batch.kv_exports`` entry names are read back into
+        ``StepOutput.kv_exports`` on every rank (rank r's pool holds its share
+        of the heads). Only the target model's pool moves: a draft model's own
+        pool (``speculative_config`` with a draft model) gets nothing, so its
+        drafts for an imported prompt would be blind; a self-draft shares the
+        target's pages and sees them.
         """
+        if batch.kv_imports:
+            self._import_kv(batch.kv_imports)
+        out = self._run(batch)
+        if batch.kv_exports:
+            out = replace(out, kv_exports=[self.pool.read_pages(pages) for _, pages in batch.kv_exports])
+        return out
+
+    def _import_kv(self, imports: list[tuple[list[int], tuple[Any, ...]]]) -> None:
+        """Write this rank's payload of each import into its pages."""
+        for pages, payloads in imports:
+            if len(payloads) != self.world_size:
+                raise KVPayloadMismatchError(
+                    "tensor_parallel_size",
+                    f"the KV pages come from {len(payloads)} rank(s), this engine has {self.world_size}: "
+                    f"both replicas need the same tensor_parallel_size",
+                )
+            self.pool.write_pages(pages, payloads[self.rank])
+
+    def _run(self, batch: Batch) -> StepOutput:
+        """The forward, sampling and drafting of ``execute`` (in its inference mode)."""
         dev = self.device
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)

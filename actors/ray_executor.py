@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine_config import EngineConfig
 from actors.errors import ExecutorFailure
-from actors.executor import Executor
+from actors.executor import Executor, with_rank_exports
 from actors.log import get_logger
 from actors.shard_actor import ModelShardActor, ShardConfigError, ShardInfo
 from actors.shard_groups import group_name, reap_orphans
@@ -93,7 +93,7 @@ class RayExecutor(Executor):
         return list(self._shards)
 
     def execute(self, batch: Batch) -> StepOutput:
-        """Run one step on every rank; return rank 0's sampled tokens."""
+        """Run one step on every rank; return rank 0's sampled tokens (and every rank's KV exports)."""
         if not self._shards or self._channel is None:
             raise ExecutorFailure("the shard group is down after a failure; call restart() first")
         try:
@@ -103,7 +103,7 @@ class RayExecutor(Executor):
             raise ExecutorFailure(f"step {batch.step}: {err}") from err
         out = outputs[0]
         assert isinstance(out, StepOutput), f"rank 0 returned {type(out).__name__}"
-        return out
+        return with_rank_exports(out, outputs) if batch.kv_exports else out
 
     def restart(self) -> None:
         """Kill what is left, then build a fresh group (new port, empty KV pools).

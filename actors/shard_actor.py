@@ -13,7 +13,8 @@ placement-group bundle, then drives it in three calls:
    arrives; ``serve_steps`` holds one of the actor's two threads until the
    executor hangs up, running ``execute(batch)`` for each step: all ranks run
    the forward (the collectives need them all); rank 0 samples and returns
-   the ``StepOutput``, the others return None.
+   the ``StepOutput``, the others return None (or only their KV pages, when
+   the step exports some).
 
 The class is plain Python; ``ray.remote`` is applied by the executor, so this
 module needs no Ray cluster to import.
@@ -110,12 +111,16 @@ class ModelShardActor:
         return self._info
 
     def execute(self, batch: Batch) -> StepOutput | None:
-        """Run one step on this rank; rank 0's return value is the step's output."""
+        """Run one step on this rank; rank 0's return value is the step's output.
+
+        Other ranks return None, or, when the batch exports KV pages, their
+        output carrying only this rank's ``kv_exports`` (the executor zips them).
+        """
         runner = self._runner
         if runner is None:
             raise RuntimeError(f"shard rank {self.rank} executed before start()")
         out = runner.execute(batch)
-        return out if self.rank == 0 else None
+        return out if self.rank == 0 or batch.kv_exports else None
 
     def open_channel(self, key: bytes) -> ChannelAddress:
         """Listen for the executor's step channel on this node; ``key`` authenticates it."""

@@ -11,6 +11,10 @@ With a quantized ``kv_dtype`` (``int8``, ``fp8_e4m3``; see ``kv_dtypes`` and
 ``k_scales``/``v_scales`` hold one bfloat16 scale per token and kv head,
 ``(num_pages, page_size, num_kv_heads)``, beside them.
 
+``read_pages`` / ``write_pages`` copy pages' contents out and in as a
+``KVPayload`` (``kv_transfer``): prefill/decode disaggregation moves a
+prompt's KV between replicas that way.
+
 Also here: how many pages fit in memory (``plan_num_pages``) and the one-line
 capacity report printed at start-up.
 """
@@ -26,6 +30,13 @@ import torch
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype, kv_bytes_per_token_head
 from kvcache.kv_quant import SCALE_DTYPE, STORAGE_DTYPES, is_quantized
+from kvcache.kv_transfer import (
+    INT_OF_WIDTH,
+    KVPayload,
+    KVPayloadMismatchError,
+    check_payload,
+    dtype_name,
+)
 
 
 def bytes_per_page(
@@ -118,6 +129,53 @@ class KVPool:
     def num_tokens(self) -> int:
         """Token slots in the pool (``num_pages * page_size``)."""
         return self.num_pages * self.page_size
+
+    def read_pages(self, pages: list[int]) -> KVPayload:
+        """A CPU copy of ``pages``' contents (every layer, k and v, scales too), in ``pages`` order.
+
+        On CUDA this waits for the work queued so far (the copy to the host).
+        """
+        index = self._page_index(pages)
+
+        def gather(caches: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...] | None:
+            if caches is None:
+                return None
+            return tuple(c.index_select(0, index).cpu().contiguous() for c in caches)
+
+        k, v = gather(self.k_caches), gather(self.v_caches)
+        assert k is not None and v is not None
+        return KVPayload(
+            k=k, v=v, k_scales=gather(self.k_scales), v_scales=gather(self.v_scales),
+            kv_dtype=self.kv_dtype, dtype=dtype_name(self.dtype),
+        )
+
+    def write_pages(self, pages: list[int], payload: KVPayload) -> None:
+        """Overwrite ``pages`` (in order) with ``payload``'s pages, every layer.
+
+        Raises:
+            KVPayloadMismatchError: the payload was read from a pool of another
+                layout (kv_cache_dtype, model dtype, page size, layers, kv
+                heads per rank, head_dim), or holds a different number of
+                pages than ``pages`` names, or a page id is out of range.
+        """
+        check_payload(self, pages, payload)
+        index = self._page_index(pages)
+        pairs = [(self.k_caches, payload.k), (self.v_caches, payload.v)]
+        if self.k_scales is not None and self.v_scales is not None:
+            assert payload.k_scales is not None and payload.v_scales is not None  # kv_dtype agreed
+            pairs += [(self.k_scales, payload.k_scales), (self.v_scales, payload.v_scales)]
+        for caches, values in pairs:
+            for cache, value in zip(caches, values, strict=True):
+                # Copied as same-width integers: index_copy_ has no float8 kernel on CPU.
+                bits = INT_OF_WIDTH[cache.element_size()]
+                cache.view(bits).index_copy_(0, index, value.to(self.device).view(bits))
+
+    def _page_index(self, pages: list[int]) -> torch.Tensor:
+        if pages and not 0 <= min(pages) <= max(pages) < self.num_pages:
+            raise KVPayloadMismatchError(
+                "pages", f"page ids must be in [0, {self.num_pages}), got {min(pages)}..{max(pages)}"
+            )
+        return torch.tensor(pages, dtype=torch.long, device=self.device)
 
     def __repr__(self) -> str:
         return (

@@ -71,6 +71,13 @@ class Batch:
     draft_token_ids: list[list[int]] | None = None
     num_propose: list[int] | None = None
     token_masks: TokenMasks | None = None  # set by the engine when constrained sequences sample
+    # Prefill/decode disaggregation (``kvcache.kv_transfer``). ``kv_exports``: per sampled sequence
+    # whose prompt KV leaves with this step, (its index in ``sample_indices``, the pages holding its
+    # prompt); the runner copies them out after the forward. ``kv_imports``: per sequence whose prompt
+    # KV arrived from elsewhere, (the pages to fill, one ``KVPayload`` per tensor-parallel rank); the
+    # runner writes them before the forward. Payloads are typed ``Any``: scheduling does not import torch.
+    kv_exports: list[tuple[int, list[int]]] | None = None
+    kv_imports: list[tuple[list[int], tuple[Any, ...]]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -114,3 +121,6 @@ class StepOutput:
     logprobs: list[TokenLogprobs | None]
     num_accepted: list[int] | None = None
     draft_token_ids: list[list[int]] | None = None
+    # Aligned with ``Batch.kv_exports``: from a runner, this rank's ``KVPayload`` of each; from an
+    # executor, a tuple of every rank's payload (rank order) of each.
+    kv_exports: list[Any] | None = None

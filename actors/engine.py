@@ -10,12 +10,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Any
 
 from actors.detokenizer import IncrementalDetokenizer
 from actors.engine_config import EngineConfig
 from actors.executor import Executor, LocalExecutor
 from actors.grammar.compiler import GrammarCompiler
 from actors.grammar.states import GrammarStates
+from actors.kv_handoff import collect_exports
 from actors.loader import load_tokenizer
 from actors.log import get_logger
 from actors.outputs import SequenceDelta, SequenceTiming
@@ -65,6 +67,8 @@ class LLMEngine:
                                        timeout_s=config.grammar_compile_timeout_s)
         self.grammar_states = GrammarStates(self.vocab_size, self.grammar.closing_path)
         self.constrained_requests = Counter[str]()  # requests added with a constraint, by kind
+        # Prefill-only requests' exported prompt KV, by request id, until taken (actors.kv_handoff).
+        self.exported: dict[str, tuple[Any, ...]] = {}
         # Seconds spent on the step's critical path filling token masks and advancing matchers.
         self.grammar_seconds_total = 0.0
 
@@ -134,6 +138,14 @@ class LLMEngine:
             self.constrained_requests[constraint.kind] += 1
         return len(ids)
 
+    def track(self, req: Request) -> None:
+        """Schedule an already built one-sequence request (``actors.kv_handoff.add_prefilled``)."""
+        if req.request_id in self._groups:
+            raise InvalidParameterError("request_id", f"{req.request_id!r} is already running")
+        self.scheduler.add(req)
+        self._seqs[req.request_id] = _Sequence(req.request_id, 0, req.params.logprobs is not None)
+        self._groups[req.request_id] = [req.request_id]
+
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Abort every sequence of a request; returns their final deltas."""
         return self._end_group(request_id, "abort", None)
@@ -179,6 +191,7 @@ class LLMEngine:
             req = self.scheduler.abort(sid)
             seq = self._seqs.pop(sid, None)
             self.grammar_states.remove(sid)
+            self.exported.pop(sid, None)
             if req is not None and seq is not None:
                 deltas.append(SequenceDelta(
                     request_id, seq.index, [], "", None, reason,
@@ -247,6 +260,7 @@ class LLMEngine:
 
         Requests aborted while the step ran are skipped (the scheduler drops them).
         """
+        collect_exports(self, batch, output)  # before update: it ends the prefill-only requests
         update = self.scheduler.update(batch, output)
         deltas: list[SequenceDelta] = []
         refused: list[str] = []

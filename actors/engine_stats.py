@@ -129,6 +129,8 @@ class EngineStats:
     structured_output_step_seconds: float = 0.0
     grammar_compiles_total: int = 0
     grammar_compile_seconds_recent: tuple[float, ...] = ()
+    # Prompt tokens the waiting requests still have to compute (prefill load; P/D's prefill pool scales on it).
+    num_waiting_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,8 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         spec_decode_num_accepted_tokens=sched.stats.spec_num_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=tuple(sched.stats.spec_num_accepted_tokens_per_pos),
         structured_output_requests=tuple(sorted(engine.constrained_requests.items())),
+        num_waiting_prompt_tokens=sum(
+            r.num_prompt_tokens - r.num_computed_tokens for r in sched.waiting if r.kv_import is None),
         structured_output_step_seconds=round(engine.grammar_seconds_total, 6),
         grammar_compiles_total=num_compiles,
         grammar_compile_seconds_recent=compile_seconds,

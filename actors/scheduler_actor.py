@@ -29,6 +29,7 @@ that step's requests.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +42,7 @@ from actors.engine_config import EngineConfig
 from actors.engine_stats import EngineStats, LatencyWindow, snapshot
 from actors.errors import ExecutorFailure
 from actors.executor import Executor, LocalExecutor
+from actors.kv_handoff import PrefillResult, add_prefilled, start_prefill
 from actors.log import get_logger
 from actors.outputs import CompletionOutput, RequestOutput, SequenceDelta
 from actors.step_messages import HealthStatus, OutputRouter, StepMessage
@@ -148,6 +150,50 @@ class SchedulerService:
             if not fut.done():  # the caller cancelled: free its pages
                 await self.abort(request_id)
             raise
+
+    # ------------------------------------------ prefill/decode disaggregation (actors.kv_handoff)
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PrefillResult:
+        """Compute a prompt and its first token here; return them with the prompt's KV (prefill replicas)."""
+        self._ensure_loop()
+        start = time.monotonic()
+        async with self._lock:
+            start_prefill(self._engine, request_id, prompt_ids, params)
+            self._router.register(request_id, None, 1)
+        self._wake.set()
+        out = RequestOutput(request_id, None, prompt_ids, [CompletionOutput(0)])
+        fut = self._router.wait_for(out)
+        try:
+            done = await fut
+        except BaseException:
+            self._router.forget_waiter(request_id)
+            if not fut.done():
+                await self.abort(request_id)
+            raise
+        finally:
+            kv = self._engine.exported.pop(request_id, None)
+        seq = done.outputs[0]
+        if kv is None or not seq.token_ids:
+            raise RuntimeError(f"prefill of {request_id} ended without its KV: {seq.finish_reason} {seq.error or ''}")
+        first_logprobs = seq.logprobs[0] if seq.logprobs else None
+        return PrefillResult(request_id, seq.token_ids[0], first_logprobs, kv, len(prompt_ids),
+                             done.num_cached_tokens, sum(p.nbytes for p in kv), time.monotonic() - start)
+
+    async def submit_prefilled(self, result: PrefillResult, prompt_ids: list[int], params: SamplingParams,
+                               waited_s: float, *, consumer_id: str = "default") -> int:
+        """Go on decoding a request prefilled elsewhere ``waited_s`` ago; its deltas go to ``consumer_id``."""
+        self._ensure_loop()
+        async with self._lock:
+            arrival = time.monotonic() - waited_s  # on this process's clock, as every timing here
+            deltas = add_prefilled(self._engine, result, prompt_ids, params, arrival_time=arrival)
+            self._router.register(result.request_id, consumer_id, 1)
+            self._publish(deltas)
+        self._wake.set()
+        return len(prompt_ids)
+
+    async def cached_prefix_tokens(self, prompt_ids: list[int], namespace: str | None = None) -> int:
+        """Prompt tokens this replica's prefix cache holds now (read-only; 0 without a cache)."""
+        cache = self._engine.scheduler.cache
+        return 0 if cache is None else cache.match_prefix(prompt_ids, namespace).num_tokens
 
     async def abort(self, request_id: str) -> bool:
         """End a request now and free its pages; False if unknown or already finished."""

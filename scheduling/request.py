@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduling.sampling_params import SamplingParams
 from scheduling.stop_rule import StopRule
@@ -69,6 +69,8 @@ class Request:
         "first_token_time",
         "last_token_time",
         "spec",
+        "export_kv",
+        "kv_import",
     )
 
     def __init__(
@@ -103,6 +105,11 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.spec: DraftState | None = None  # speculative decoding's per-request state
+        # Prefill/decode disaggregation: a prefill-only request's prompt KV leaves with the step that
+        # samples its first token (``export_kv``); a request whose prompt KV was computed elsewhere
+        # carries it (one payload per tensor-parallel rank) until the step that admits it writes it.
+        self.export_kv = False
+        self.kv_import: tuple[Any, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

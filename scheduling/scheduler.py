@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvcache.errors import CacheConfigError
 from kvcache.page_allocator import PageAllocator
@@ -32,6 +33,7 @@ from kvcache.radix_cache import PrefixMatch, RadixCache
 from scheduling.batch import Batch, StepOutput
 from scheduling.batch_builder import Scheduled, build_batch
 from scheduling.errors import InvalidParameterError
+from scheduling.kv_handoff import kv_exports, take_imported
 from scheduling.request import Request, RequestStatus
 from scheduling.request_pages import RequestPages
 from scheduling.scheduler_config import SchedulerConfig
@@ -95,20 +97,7 @@ class Scheduler:
         sibling of ``n > 1``): this one waits until the sibling has computed
         the prompt, then starts from the sibling's full prompt pages.
         """
-        n_prompt = request.num_prompt_tokens
-        limit = self.config.max_model_len
-        if n_prompt == 0:
-            raise InvalidParameterError("prompt", "the prompt is empty")
-        if n_prompt >= limit:
-            raise InvalidParameterError(
-                "prompt", f"the prompt has {n_prompt} tokens; max_model_len is {limit}"
-            )
-        if n_prompt + request.params.max_tokens > limit:
-            raise InvalidParameterError(
-                "max_tokens",
-                f"prompt ({n_prompt} tokens) + max_tokens ({request.params.max_tokens}) = "
-                f"{n_prompt + request.params.max_tokens} exceeds max_model_len {limit}",
-            )
+        self.config.check_lengths(request.num_prompt_tokens, request.params.max_tokens)
         if request.request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request.request_id!r} is already queued")
         self.requests[request.request_id] = request
@@ -188,19 +177,29 @@ class Scheduler:
                     scheduled.append((req, n, samples, _NO_DRAFTS, 0))
                 budget -= n
                 i += 1
+        imports: list[tuple[list[int], tuple[Any, ...]]] = []  # P/D: prompt KV that arrived (kv_handoff)
         if not preempted:
-            budget = self._admit(scheduled, budget, spec)
+            budget = self._admit(scheduled, budget, spec, imports)
         if not scheduled:
             return None
         self._step += 1
         self._in_flight[self._step] = scheduled
-        return build_batch(self._step, scheduled)
+        batch, exports = build_batch(self._step, scheduled), kv_exports(scheduled, self.kv)
+        return replace(batch, kv_imports=imports or None, kv_exports=exports or None) if imports or exports else batch
 
-    def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None) -> int:
+    def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None,
+               imports: list[tuple[list[int], tuple[Any, ...]]]) -> int:
         cfg = self.config
         cache = self.cache
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.kv_import is not None:  # its prompt KV came from a prefill replica
+                if not take_imported(self.kv, req, imports):
+                    break
+                self._start_running(req)
+                scheduled.append((req, 1, True, _NO_DRAFTS, 0))
+                budget -= 1
+                continue
             match: PrefixMatch | None = None
             if cache is not None and req.num_computed_tokens == 0:
                 match = cache.match_prefix(req.all_token_ids, req.namespace)  # read-only
@@ -220,16 +219,20 @@ class Scheduler:
                 break
             if match is not None and req.num_preemptions == 0:
                 self._count_prefix_hit(req, match.num_tokens)
-            self.waiting.popleft()
-            req.set_status(RequestStatus.RUNNING)
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
+            self._start_running(req)
             samples = req.num_computed_tokens + n == req.num_tokens
             propose = spec.reserve(self.kv, req, n, _NO_DRAFTS)[1] if spec is not None and samples else 0
             scheduled.append((req, n, samples, _NO_DRAFTS, propose))
             budget -= n
         return budget
+
+    def _start_running(self, req: Request) -> None:
+        """Move the head of ``waiting`` (``req``) into the running batch."""
+        self.waiting.popleft()
+        req.set_status(RequestStatus.RUNNING)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
 
     def _fit(self, req: Request, match: PrefixMatch | None, budget: int) -> tuple[PrefixMatch | None, int] | None:
         """The prefix to start ``req`` from (its pages locked) and the tokens to compute this step.

@@ -44,3 +44,17 @@ class SchedulerConfig:
                 f"{self.max_num_batched_tokens} is below max_model_len {self.max_model_len}; "
                 "without chunked prefill a whole prompt must fit in one step",
             )
+
+    def check_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request whose prompt, or prompt plus ``max_tokens``, does not fit ``max_model_len``."""
+        limit = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        if num_prompt_tokens >= limit:
+            raise InvalidParameterError("prompt", f"the prompt has {num_prompt_tokens} tokens; max_model_len is {limit}")
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidParameterError(
+                "max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len {limit}",
+            )

@@ -1,0 +1,115 @@
+"""The engine's side of prefill/decode disaggregation: prefill-only requests, and requests that arrive prefilled.
+
+Prefill replica: ``start_prefill`` queues a request that computes its prompt
+and samples its first token only; the step that samples it copies the
+prompt's pages out (``Batch.kv_exports``), and ``collect_exports`` keeps them,
+by request, until the caller takes them as a ``PrefillResult``. Its pages
+then end like any request's: their KV stays in the prefix cache.
+
+Decode replica: ``add_prefilled`` starts a request from a ``PrefillResult``:
+its first token goes through the request's own stop rule (it may end the
+request at once), and its prompt KV is written into fresh pages by the step
+that admits it (``scheduling.kv_handoff``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from actors.detokenizer import IncrementalDetokenizer
+from actors.engine_config import EngineConfig
+from actors.outputs import SequenceDelta, SequenceTiming
+from kvcache.kv_transfer import KVPayload
+from scheduling.batch import Batch, StepOutput, TokenLogprobs
+from scheduling.errors import InvalidParameterError
+from scheduling.request import Request
+from scheduling.sampling_params import SamplingParams
+from scheduling.stop_rule import StopRule
+
+if TYPE_CHECKING:
+    from actors.engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """A prompt computed on a prefill replica: its first token and its KV (one payload per rank)."""
+
+    request_id: str
+    first_token: int
+    first_logprobs: TokenLogprobs | None
+    kv: tuple[Any, ...]  # kvcache.kv_transfer.KVPayload per tensor-parallel rank
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_bytes: int
+    prefill_s: float  # queued + computed on the prefill replica, export included
+
+
+def check_remote_prefill(params: SamplingParams) -> None:
+    """Refuse what a remote prefill cannot carry (the decode replica then prefills locally)."""
+    if params.n != 1:
+        raise InvalidParameterError("n", "a remotely prefilled request has one sequence")
+    if params.structured_output is not None:
+        raise InvalidParameterError(params.structured_output.param, "constrained requests prefill locally")
+
+
+def start_prefill(engine: LLMEngine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Queue a prefill-only request: its prompt, and its first token sampled with ``params``."""
+    check_remote_prefill(params)
+    first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
+    engine.add_request(request_id, prompt_ids, first_only, prompt_token_ids=prompt_ids)
+    engine.scheduler.requests[request_id].export_kv = True
+
+
+def collect_exports(engine: LLMEngine, batch: Batch, output: StepOutput) -> None:
+    """Keep the KV that ``batch`` exported, by request id, until ``take_export``."""
+    if batch.kv_exports is None:
+        return
+    assert output.kv_exports is not None and len(output.kv_exports) == len(batch.kv_exports)
+    reqs = engine.scheduler.requests_in_step(batch.step)
+    for (j, _), payloads in zip(batch.kv_exports, output.kv_exports, strict=True):
+        engine.exported[reqs[batch.sample_indices[j]].request_id] = tuple(payloads)
+
+
+def add_prefilled(
+    engine: LLMEngine, result: PrefillResult, prompt_ids: list[int], params: SamplingParams, *,
+    arrival_time: float, namespace: str | None = None,
+) -> list[SequenceDelta]:
+    """Start ``result``'s request here; returns the delta of its first token (final if that token ends it)."""
+    check_remote_prefill(params)
+    _check_kv(engine.config, result.kv)
+    rid = result.request_id
+    stop = StopRule(params, engine.eos_token_id, IncrementalDetokenizer(engine.tokenizer, prompt_ids))
+    req = Request(rid, prompt_ids, params, namespace=namespace, stop_rule=stop, arrival_time=arrival_time)
+    tokens, text, reason = req.append_output([result.first_token])
+    req.first_scheduled_time = req.first_token_time = req.last_token_time = time.monotonic()
+    req.num_cached_tokens = result.num_cached_tokens
+    logprobs = [result.first_logprobs] if params.logprobs is not None and result.first_logprobs else None
+    timing = None
+    if reason is None:
+        req.kv_import = result.kv
+        engine.track(req)
+    else:  # ended by its first token: nothing to decode, no page taken
+        timing = SequenceTiming(arrival_time, req.first_token_time, req.last_token_time, 1, req.first_scheduled_time)
+    return [SequenceDelta(rid, 0, tokens, text, logprobs, reason, len(prompt_ids), result.num_cached_tokens,
+                          None, timing)]
+
+
+def _check_kv(config: EngineConfig, kv: tuple[Any, ...]) -> None:
+    """Refuse KV this engine's pool cannot take here, before any page is given for it.
+
+    The runner checks every field again as it writes (``kvcache.kv_transfer``);
+    caught there, a mismatch would fail a whole step (with shards on Ray, the
+    shard group), so what the engine knows is checked first.
+    """
+    if len(kv) != config.tensor_parallel_size:
+        raise InvalidParameterError("tensor_parallel_size", f"the KV comes from {len(kv)} ranks, this engine has "
+                                                            f"{config.tensor_parallel_size}: both pools need the same")
+    first: KVPayload = kv[0]
+    if first.kv_dtype != config.kv_cache_dtype:
+        raise InvalidParameterError("kv_cache_dtype", f"the KV pages were stored as {first.kv_dtype!r}, this engine "
+                                                      f"stores {config.kv_cache_dtype!r}: both pools need the same")
+    if first.page_shape[0] != config.page_size:
+        raise InvalidParameterError("page_size", f"the KV pages hold {first.page_shape[0]} tokens, this engine's "
+                                                 f"{config.page_size}: both pools need the same")

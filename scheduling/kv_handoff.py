@@ -1,0 +1,45 @@
+"""The scheduler's side of prefill/decode disaggregation: which pages leave with a step, which arrive.
+
+A prefill-only request (``Request.export_kv``) computes its prompt and samples
+its first token; the step that samples it also copies its prompt pages out
+(``Batch.kv_exports``). A request whose prompt was computed elsewhere
+(``Request.kv_import``) is admitted with fresh pages for its prompt and that
+first token, the payload written into them before the step's forward
+(``Batch.kv_imports``): its one input is the first token, so it decodes at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduling.batch_builder import Scheduled
+from scheduling.request import Request
+from scheduling.request_pages import RequestPages
+
+
+def kv_exports(scheduled: list[Scheduled], kv: RequestPages) -> list[tuple[int, list[int]]]:
+    """(index among the step's sampled sequences, prompt pages) of each prefill-only request sampling now."""
+    exports: list[tuple[int, list[int]]] = []
+    j = 0
+    for req, _, samples, _, _ in scheduled:
+        if samples:
+            if req.export_kv:
+                exports.append((j, req.pages[: kv.pages_for(req.num_prompt_tokens)]))
+            j += 1
+    return exports
+
+
+def take_imported(kv: RequestPages, req: Request, imports: list[tuple[list[int], tuple[Any, ...]]]) -> bool:
+    """Give ``req`` fresh pages for its prompt and first token and queue its payload; False if they do not fit.
+
+    No prefix match: the pages are filled from the payload (they join the
+    prefix cache when the request ends, like any computed pages).
+    """
+    payload = req.kv_import
+    assert payload is not None and not req.pages and req.num_computed_tokens == 0
+    if not kv.may_fit(kv.pages_for(req.num_tokens)) or not kv.reserve(req, req.num_tokens):
+        return False
+    req.num_computed_tokens = req.num_tokens - 1
+    req.kv_import = None
+    imports.append((req.pages[: kv.pages_for(req.num_prompt_tokens)], payload))
+    return True

@@ -43,6 +43,7 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from actors.engine_config import EngineConfig
+from apps.pd_builder import prefill_app, split_pd, with_pool
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
 from cluster.autoscaling import serve_autoscaling_config
@@ -105,8 +106,28 @@ def deployment_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """The OpenAI-compatible application for ``args`` (see the module docstring)."""
-    engine, options = split_args(dict(args))
+    """The OpenAI-compatible application for ``args`` (see the module docstring; ``pd``: ``apps.pd_builder``)."""
+    args = dict(args)
+    pd = split_pd(args) if "pd" in args else None
+    engine, options = split_args(args)
+    if pd is not None:
+        if "autoscaling" in options:
+            raise InvalidParameterError("autoscaling", "with pd each pool scales on its own signals: set "
+                                                       "pd.prefill.autoscaling and pd.decode.autoscaling")
+        prefill_pool, decode_pool, min_tokens = pd
+        prefill_engine, prefill_options = split_args(prefill_pool)
+        prefill_engine = {**engine, **prefill_engine}
+        EngineConfig.from_kwargs(**prefill_engine)
+        if "autoscaling" in prefill_options:
+            prefill_options["autoscaling"] = with_pool(prefill_options["autoscaling"], "prefill")
+        prefill_deploy = deployment_options(prefill_options)  # pops the deployment's keys
+        prefill = prefill_app(prefill_engine, prefill_options, prefill_deploy)
+        decode_engine, decode_options = split_args(decode_pool)
+        engine = {**engine, **decode_engine}
+        options = {**options, **decode_options}
+        if "autoscaling" in options:
+            options["autoscaling"] = with_pool(options["autoscaling"], "decode")
+        options.update(prefill=prefill, remote_prefill_min_tokens=min_tokens)
     config = EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
     check_placement(options.get("scheduler_placement", DEFAULT_PLACEMENT), options.get("scheduler_options"))
     deployment = cast(Deployment, LLMServer)  # @serve.deployment made the class a Deployment

@@ -54,6 +54,7 @@ from apps.detached import detached
 from apps.errors import APIError
 from apps.local_scheduler import LocalScheduler
 from apps.prompt_encoder import PromptEncoder
+from apps.remote_prefill import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, RemotePrefill
 from apps.replica_stats import ReplicaStats
 from apps.request_body import read_body
 from apps.request_kind import RequestKind
@@ -110,7 +111,8 @@ class LLMServer(ReplicaStats):
                  max_body_bytes: int = rq.DEFAULT_MAX_BODY_BYTES, startup_timeout_s: float = 600.0,
                  api_keys: str | list[str] | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
-                 scheduler_placement: str = DEFAULT_PLACEMENT) -> None:
+                 scheduler_placement: str = DEFAULT_PLACEMENT, prefill: Any = None,
+                 remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
         check_placement(scheduler_placement, scheduler_options)
         self.auth = ApiKeyAuth.resolve(api_keys)
@@ -132,6 +134,9 @@ class LLMServer(ReplicaStats):
             status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
             if not status.ok:
                 raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
+        # P/D: ``prefill`` is the handle of the app's prefill pool (apps.prefill_server); long prompts go there.
+        self._remote = None if prefill is None else RemotePrefill(prefill, self._actor,
+                                                                   min_tokens=remote_prefill_min_tokens)
         replica_id = f"replica-{uuid.uuid4().hex[:12]}"
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
         self._fanout = StreamFanout(self._actor, replica_id, observer=self.latency_observer(self.metrics.observe))
@@ -276,8 +281,7 @@ class LLMServer(ReplicaStats):
         queue = self._fanout.open(engine_ids[0])
         for eid in engine_ids[1:]:
             self._fanout.open(eid, queue)
-        submitted = [self._actor.submit.remote(eid, ids, ps, consumer_id=self._fanout.consumer_id)
-                     for eid, ids, ps in zip(engine_ids, prompts, params, strict=True)]
+        submitted = [self._submit(eid, ids, ps) for eid, ids, ps in zip(engine_ids, prompts, params, strict=True)]
         try:
             num_prompt = sum(await asyncio.gather(*submitted))
         except BaseException as exc:
@@ -305,6 +309,20 @@ class LLMServer(ReplicaStats):
         if req.stream:
             return EventStreamResponse(sse(stream, out, req.include_usage, release), release)
         return await whole(stream, out, release)
+
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
+        """What queues one prompt (awaitable twice): here, or maybe through the prefill pool (P/D)."""
+        consumer = self._fanout.consumer_id
+        if self._remote is None:
+            return self._actor.submit.remote(request_id, prompt_ids, params, consumer_id=consumer)
+        return asyncio.ensure_future(self._submit_routed(request_id, prompt_ids, params, consumer))
+
+    async def _submit_routed(self, request_id: str, prompt_ids: list[int], params: SamplingParams, consumer: str) -> int:
+        assert self._remote is not None
+        if await self._remote.wants(prompt_ids, params):
+            return await self._remote.submit(request_id, prompt_ids, params, consumer)
+        num: int = await self._actor.submit.remote(request_id, prompt_ids, params, consumer_id=consumer)
+        return num
 
     def _background(self, coro: Any) -> None:
         """Run ``coro`` detached from the (cancelled) handler, holding a reference until it ends."""

@@ -1,0 +1,77 @@
+"""A decode replica's choice, per request, between prefilling here and on the prefill pool.
+
+A prompt goes to the prefill pool when at least ``min_tokens`` of it are not
+in this replica's prefix cache (a short or mostly cached prompt costs less
+here than its KV costs to move), it has one sequence and no output
+constraint. The prefill replica returns the first token and the prompt's KV
+(``PrefillResult``, through Ray's object store); this replica's scheduler
+then decodes from them (``SchedulerService.submit_prefilled``).
+
+A prefill replica that dies or fails mid-request is retried once, on whichever
+replica Serve routes to; a second failure is a 503 naming the prefill pool.
+Either way nothing is left behind: a failed prefill request dies with its
+replica or is aborted there, and this replica takes no page until the KV
+has arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from actors.kv_handoff import PrefillResult
+from apps.errors import APIError
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
+
+DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512
+PREFILL_ATTEMPTS = 2
+
+
+class RemotePrefill:
+    """The prefill pool (a Serve handle to ``PrefillServer``) as seen from one decode replica."""
+
+    def __init__(self, handle: Any, actor: Any, *, min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
+        if min_tokens < 1:
+            raise InvalidParameterError("remote_prefill_min_tokens", f"must be >= 1, got {min_tokens}")
+        self.handle = handle
+        self.actor = actor
+        self.min_tokens = min_tokens
+        self.num_remote = 0
+        self.num_retries = 0
+        self.transfer_bytes = 0
+
+    async def wants(self, prompt_ids: list[int], params: SamplingParams) -> bool:
+        """Whether this request's prompt should be computed on the prefill pool."""
+        if params.n != 1 or params.structured_output is not None or len(prompt_ids) < self.min_tokens:
+            return False
+        cached: int = await self.actor.cached_prefix_tokens.remote(prompt_ids)
+        return len(prompt_ids) - cached >= self.min_tokens
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, consumer_id: str) -> int:
+        """Prefill remotely, then queue the decode here; returns the prompt length (as ``submit``)."""
+        start = time.monotonic()
+        result = await self._prefill(request_id, prompt_ids, params)
+        self.num_remote += 1
+        self.transfer_bytes += result.kv_bytes
+        waited_s = time.monotonic() - start
+        num: int = await self.actor.submit_prefilled.remote(result, prompt_ids, params, waited_s,
+                                                             consumer_id=consumer_id)
+        return num
+
+    async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PrefillResult:
+        last: BaseException | None = None
+        for attempt in range(PREFILL_ATTEMPTS):
+            try:
+                result: PrefillResult = await self.handle.prefill.remote(f"{request_id}.p{attempt}", prompt_ids, params)
+            except InvalidParameterError:
+                raise  # the request's fault: no other replica would take it either
+            except Exception as exc:  # the replica died or failed mid-request: try another
+                last = exc
+                if attempt + 1 < PREFILL_ATTEMPTS:
+                    self.num_retries += 1
+                continue
+            return replace(result, request_id=request_id)  # this replica's id for it, not the attempt's
+        raise APIError(503, f"the prefill pool failed this request {PREFILL_ATTEMPTS} times ({type(last).__name__}: "
+                            f"{last}); retry the request", code="prefill_unavailable")

@@ -1,0 +1,104 @@
+"""The decode replica's per-request choice and its retry, with fake handles; the ``pd`` app arguments."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from actors.kv_handoff import PrefillResult
+from apps.builder import build_app
+from apps.errors import APIError
+from apps.remote_prefill import PREFILL_ATTEMPTS, RemotePrefill
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
+from scheduling.structured_output import StructuredOutput
+
+
+class Call:
+    """What ``handle.method.remote(...)`` returns: an awaitable of ``outcome`` (raised if an exception)."""
+
+    def __init__(self, outcome: Any) -> None:
+        self.outcome = outcome
+
+    def __await__(self) -> Any:
+        async def run() -> Any:
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+        return run().__await__()
+
+
+class Method:
+    def __init__(self, outcomes: list[Any]) -> None:
+        self.outcomes, self.calls = outcomes, []
+
+    def remote(self, *args: Any, **kwargs: Any) -> Call:
+        self.calls.append(args)
+        return Call(self.outcomes.pop(0))
+
+
+class Fake:
+    def __init__(self, **methods: list[Any]) -> None:
+        for name, outcomes in methods.items():
+            setattr(self, name, Method(outcomes))
+
+
+def result(rid: str) -> PrefillResult:
+    return PrefillResult(rid, 7, None, (), 40, 0, 1234, 0.01)
+
+
+def test_long_uncached_prompts_go_remote_and_others_stay() -> None:
+    actor = Fake(cached_prefix_tokens=[0, 32, 0])
+    remote = RemotePrefill(Fake(), actor, min_tokens=16)
+    params = SamplingParams(max_tokens=4)
+    assert asyncio.run(remote.wants(list(range(40)), params))  # 40 uncached
+    assert not asyncio.run(remote.wants(list(range(40)), params))  # 32 of 40 cached: 8 left
+    assert not asyncio.run(remote.wants(list(range(8)), params))  # short: no call at all
+    assert not asyncio.run(remote.wants(list(range(40)), SamplingParams(n=2)))
+    constrained = SamplingParams(structured_output=StructuredOutput.json_object())
+    assert not asyncio.run(remote.wants(list(range(40)), constrained))
+    assert len(actor.cached_prefix_tokens.calls) == 2
+
+
+def test_a_failed_prefill_is_retried_once_then_a_503() -> None:
+    handle = Fake(prefill=[RuntimeError("replica died"), result("r.p1")])
+    actor = Fake(submit_prefilled=[40])
+    remote = RemotePrefill(handle, actor, min_tokens=16)
+    assert asyncio.run(remote.submit("r", list(range(40)), SamplingParams(), "c")) == 40
+    (sent, *_), = actor.submit_prefilled.calls
+    assert sent.request_id == "r" and remote.num_retries == 1 and remote.transfer_bytes == 1234
+    assert [c[0] for c in handle.prefill.calls] == ["r.p0", "r.p1"]  # a fresh id per attempt
+
+    dead = RemotePrefill(Fake(prefill=[RuntimeError("down")] * PREFILL_ATTEMPTS), Fake(), min_tokens=16)
+    with pytest.raises(APIError) as info:
+        asyncio.run(dead.submit("r", list(range(40)), SamplingParams(), "c"))
+    assert info.value.status == 503 and "prefill pool" in str(info.value)
+
+
+def test_a_bad_request_is_not_retried() -> None:
+    handle = Fake(prefill=[InvalidParameterError("logit_bias", "bad"), result("x")])
+    with pytest.raises(InvalidParameterError):
+        asyncio.run(RemotePrefill(handle, Fake(), min_tokens=16).submit("r", list(range(40)), SamplingParams(), "c"))
+    assert len(handle.prefill.calls) == 1
+
+
+@pytest.mark.parametrize(("pd", "param"), [
+    ("yes", "pd"),
+    ({"prefill": {}, "decode": {}, "colour": 1}, "pd"),
+    ({"prefill": {"kv_cache_dtype": "int8"}, "decode": {}}, "pd.prefill"),
+    ({"prefill": {"api_keys": "k"}, "decode": {}}, "pd.prefill"),
+])
+def test_pd_arguments_are_checked_at_deploy_time(pd: Any, param: str) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        build_app({"model": "tiny", "kv_cache_dtype": "auto", "pd": pd})
+    assert info.value.param == param
+
+
+def test_pd_takes_autoscaling_per_pool_only() -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        build_app({"model": "tiny", "autoscaling": {"max_replicas": 2}, "pd": {"prefill": {}, "decode": {}}})
+    assert info.value.param == "autoscaling"
+    build_app({"model": "tiny", "pd": {"prefill": {"autoscaling": {"max_replicas": 2}},
+                                       "decode": {"autoscaling": {"max_replicas": 2}}}})

@@ -1,0 +1,76 @@
+"""A disaggregated app (``pd``) on a real local Serve: long prompts prefill on the prefill pool and decode on the
+decode replica with the same greedy output as in process; short ones stay local; a dead prefill pool is a clear 503
+and leaves no page behind."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from openai import APIStatusError, OpenAI
+
+from apps.llm import LLM
+from scheduling.sampling_params import SamplingParams
+from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer, live_server
+
+PREFILL_ACTOR = "pd-prefill-scheduler"
+MIN_TOKENS = 24
+LONG = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(4)]
+SHORT = "hi"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    pd = {"remote_prefill_min_tokens": MIN_TOKENS,
+          "prefill": {"scheduler_options": {"name": PREFILL_ACTOR, "namespace": ACTOR_NAMESPACE}}, "decode": {}}
+    with live_server(tiny_model_dir, actor_name="pd-decode-scheduler", pd=pd) as s:
+        yield s
+
+
+def prefill_stats() -> Any:
+    return ray.get(ray.get_actor(PREFILL_ACTOR, namespace=ACTOR_NAMESPACE).stats.remote(), timeout=TIMEOUT)
+
+
+def client(server: LiveServer) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+
+
+def test_long_prompts_prefill_remotely_with_the_colocated_output(server: LiveServer, tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, dtype="float32",
+              device="cpu")
+    expected = [o.outputs[0].text for o in llm.generate(
+        LONG, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+    llm.shutdown()
+    before = prefill_stats().num_steps
+    api = client(server)
+    got = [api.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0.0,
+                                  extra_body={"ignore_eos": True}).choices[0].text for p in LONG]
+    assert got == expected
+    after = prefill_stats().num_steps
+    assert after > before  # the prompts were computed on the prefill pool
+    # A short prompt stays on the decode replica.
+    api.completions.create(model="tiny", prompt=SHORT, max_tokens=4, temperature=0.0)
+    assert prefill_stats().num_steps == after
+    # Streaming through the remote path: the first token arrives as a delta like any other.
+    chunks = list(api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": LONG[0]}],
+                                              max_tokens=8, temperature=0.0, stream=True))
+    assert sum(len(c.choices[0].delta.content or "") for c in chunks if c.choices) > 0
+    server.assert_pages_free()
+    stats = prefill_stats()
+    assert stats.num_unfinished_requests == 0 and stats.num_kv_pages_locked == 0
+
+
+def test_a_dead_prefill_pool_is_a_clear_503_and_frees_everything(server: LiveServer) -> None:
+    ray.kill(ray.get_actor(PREFILL_ACTOR, namespace=ACTOR_NAMESPACE), no_restart=True)
+    api = client(server)
+    fresh = "A prompt this replica has not cached: " + "lorem ipsum dolor sit amet " * 4  # else it prefills here
+    with pytest.raises(APIStatusError) as info:
+        api.completions.create(model="tiny", prompt=fresh, max_tokens=8, temperature=0.0)
+    assert info.value.status_code == 503 and "prefill pool" in str(info.value)
+    # Short prompts still decode here.
+    out = api.completions.create(model="tiny", prompt=SHORT, max_tokens=4, temperature=0.0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    server.assert_pages_free()

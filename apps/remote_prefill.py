@@ -17,6 +17,7 @@ has arrived.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -32,7 +33,8 @@ PREFILL_ATTEMPTS = 2
 class RemotePrefill:
     """The prefill pool (a Serve handle to ``PrefillServer``) as seen from one decode replica."""
 
-    def __init__(self, handle: Any, actor: Any, *, min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
+    def __init__(self, handle: Any, actor: Any, *, min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+                 record: Callable[..., None] | None = None) -> None:
         if min_tokens < 1:
             raise InvalidParameterError("remote_prefill_min_tokens", f"must be >= 1, got {min_tokens}")
         self.handle = handle
@@ -41,6 +43,8 @@ class RemotePrefill:
         self.num_remote = 0
         self.num_retries = 0
         self.transfer_bytes = 0
+        # ``ReplicaMetrics._record``-shaped: (family name, value); the pd_* families of cluster.metric_families.
+        self._record = record or (lambda name, value: None)
 
     async def wants(self, prompt_ids: list[int], params: SamplingParams) -> bool:
         """Whether this request's prompt should be computed on the prefill pool."""
@@ -53,11 +57,16 @@ class RemotePrefill:
         """Prefill remotely, then queue the decode here; returns the prompt length (as ``submit``)."""
         start = time.monotonic()
         result = await self._prefill(request_id, prompt_ids, params)
+        handed = time.monotonic()
+        num: int = await self.actor.submit_prefilled.remote(result, prompt_ids, params, handed - start,
+                                                             consumer_id=consumer_id)
+        # The KV's trip: the remote call beyond the prefill itself, and the hand-over to our scheduler.
+        transfer_s = max(0.0, handed - start - result.prefill_s) + (time.monotonic() - handed)
         self.num_remote += 1
         self.transfer_bytes += result.kv_bytes
-        waited_s = time.monotonic() - start
-        num: int = await self.actor.submit_prefilled.remote(result, prompt_ids, params, waited_s,
-                                                             consumer_id=consumer_id)
+        self._record("pd_remote_prefills", 1)
+        self._record("pd_kv_transfer_bytes", result.kv_bytes)
+        self._record("pd_kv_transfer_seconds", transfer_s)
         return num
 
     async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PrefillResult:
@@ -71,6 +80,7 @@ class RemotePrefill:
                 last = exc
                 if attempt + 1 < PREFILL_ATTEMPTS:
                     self.num_retries += 1
+                    self._record("pd_prefill_retries", 1)
                 continue
             return replace(result, request_id=request_id)  # this replica's id for it, not the attempt's
         raise APIError(503, f"the prefill pool failed this request {PREFILL_ATTEMPTS} times ({type(last).__name__}: "

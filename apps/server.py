@@ -134,11 +134,11 @@ class LLMServer(ReplicaStats):
             status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
             if not status.ok:
                 raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
-        # P/D: ``prefill`` is the handle of the app's prefill pool (apps.prefill_server); long prompts go there.
-        self._remote = None if prefill is None else RemotePrefill(prefill, self._actor,
-                                                                   min_tokens=remote_prefill_min_tokens)
         replica_id = f"replica-{uuid.uuid4().hex[:12]}"
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
+        # P/D: ``prefill`` is the handle of the app's prefill pool (apps.prefill_server); long prompts go there.
+        self._remote = None if prefill is None else RemotePrefill(
+            prefill, self._actor, min_tokens=remote_prefill_min_tokens, record=self.metrics.record)
         self._fanout = StreamFanout(self._actor, replica_id, observer=self.latency_observer(self.metrics.observe))
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 

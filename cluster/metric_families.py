@@ -23,6 +23,8 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 # Compiling one output constraint: ~0.1 ms (a regex) to seconds (a large schema).
 COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Moving one prompt's KV from a prefill replica to a decode replica: ~1 ms (a short prompt) to seconds.
+TRANSFER_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
@@ -96,6 +98,13 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
        "matchers, on the step's critical path."),
     _h("grammar_compile_seconds", "Time to compile one distinct output constraint (cached afterwards).",
        COMPILE_BUCKETS),
+    # Prefill/decode disaggregation, on decode replicas (apps.remote_prefill): prompts prefilled on the
+    # prefill pool, retries of failed prefills, KV bytes received and the time moving them took.
+    _c("pd_remote_prefills", "Prompts this decode replica had computed on the prefill pool."),
+    _c("pd_prefill_retries", "Remote prefills retried after a prefill replica failed."),
+    _c("pd_kv_transfer_bytes", "KV bytes received from the prefill pool."),
+    _h("pd_kv_transfer_seconds", "Moving one prompt's KV from the prefill pool into this replica's scheduler "
+       "(the remote call and the hand-over, less the prefill itself).", TRANSFER_BUCKETS),
     _c("process_cpu_seconds", "CPU seconds used by the engine process (rate() gives cores busy)."),
     _g("memory_used_bytes", "Resident memory of the engine process."),
     _g("memory_peak_bytes", "Peak resident memory of the engine process."),

@@ -133,6 +133,10 @@ class ReplicaMetrics:
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------- recording
+    def record(self, name: str, value: float) -> None:
+        """Add ``value`` to a counter, observe it in a histogram or set a gauge: the family ``name``."""
+        self._record(name, value)
+
     def _record(self, name: str, value: float, *, to_ray: bool = True, **extra: str) -> None:
         f = self._families[name]
         key = (name, *extra.values())

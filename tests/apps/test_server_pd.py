@@ -4,6 +4,7 @@ and leaves no page behind."""
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,12 @@ def test_long_prompts_prefill_remotely_with_the_colocated_output(server: LiveSer
     server.assert_pages_free()
     stats = prefill_stats()
     assert stats.num_unfinished_requests == 0 and stats.num_kv_pages_locked == 0
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=TIMEOUT) as resp:
+        metrics = resp.read().decode()
+    assert "flotilla:pd_remote_prefills_total" in metrics and "flotilla:pd_kv_transfer_seconds_bucket" in metrics
+    remote = next(float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("flotilla:pd_remote_prefills_total"))
+    assert remote == len(LONG) + 1  # the completions and the streamed chat
 
 
 def test_a_dead_prefill_pool_is_a_clear_503_and_frees_everything(server: LiveServer) -> None:

@@ -26,6 +26,7 @@ from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
 from kvcache.kv_dtypes import KV_CACHE_DTYPES
+from scheduling.json_object import parse_json_object
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -71,6 +72,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' (repeatable; default: $FLOTILLA_API_KEY)")
     sp.add_argument("--max-queued-requests", type=int, default=None,
                     help="per replica, beyond --max-num-seqs; more are answered 429 (default 256)")
+    sp.add_argument("--pd", default=None, metavar="JSON",
+                    help='prefill/decode disaggregation: \'{"prefill": {"cpu_threads": 1}, "decode": {"cpu_threads": 1}, '
+                         '"remote_prefill_min_tokens": 512}\' (each pool: engine fields and num_replicas / '
+                         "autoscaling; docs/disaggregation.md)")
     add_elastic_arguments(sp)
     sp.set_defaults(func=_serve)
     return sp
@@ -144,6 +149,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         out["api_keys"] = list(args.api_keys)
     if args.max_queued_requests is not None:
         out["max_queued_requests"] = args.max_queued_requests
+    if args.pd is not None:
+        out["pd"] = parse_json_object(args.pd, "pd", ("prefill", "decode", "remote_prefill_min_tokens"), "key")
     scheduler: dict[str, Any] = {}
     if args.num_gpus:
         scheduler["num_gpus"] = args.num_gpus

@@ -71,3 +71,13 @@ def test_quantization_flags_reach_the_engine_and_bad_combinations_are_refused_by
     assert err.value.param == "quantization_group_size"
     with pytest.raises(SystemExit):
         _args("--model", "tiny", "--kv-cache-dtype", "int4")
+
+
+def test_pd_reaches_the_app_as_two_pools() -> None:
+    args = _args("--model", "tiny", "--pd", '{"prefill": {"cpu_threads": 1}, "decode": {"cpu_threads": 1}, '
+                                             '"remote_prefill_min_tokens": 256}')
+    assert args["pd"] == {"prefill": {"cpu_threads": 1}, "decode": {"cpu_threads": 1}, "remote_prefill_min_tokens": 256}
+    build_app(args)
+    with pytest.raises(InvalidParameterError) as err:
+        _args("--model", "tiny", "--pd", '{"prefil": {}}')
+    assert err.value.param == "pd"

@@ -39,7 +39,9 @@ class PrefillResult:
     request_id: str
     first_token: int
     first_logprobs: TokenLogprobs | None
-    kv: tuple[Any, ...]  # kvcache.kv_transfer.KVPayload per tensor-parallel rank
+    # kvcache.kv_transfer.KVPayload per tensor-parallel rank; on Ray an ObjectRef to that tuple, so the
+    # pages are copied into the object store once and only the ref passes the replicas between.
+    kv: Any
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_bytes: int

@@ -32,6 +32,8 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
 
 import ray
 import torch
@@ -175,13 +177,18 @@ class SchedulerService:
         if kv is None or not seq.token_ids:
             raise RuntimeError(f"prefill of {request_id} ended without its KV: {seq.finish_reason} {seq.error or ''}")
         first_logprobs = seq.logprobs[0] if seq.logprobs else None
-        return PrefillResult(request_id, seq.token_ids[0], first_logprobs, kv, len(prompt_ids),
-                             done.num_cached_tokens, sum(p.nbytes for p in kv), time.monotonic() - start)
+        nbytes = sum(p.nbytes for p in kv)
+        # On Ray: one copy into the object store here; the replicas between pass only the ref.
+        moved: Any = await asyncio.get_running_loop().run_in_executor(None, ray.put, kv) if ray.is_initialized() else kv
+        return PrefillResult(request_id, seq.token_ids[0], first_logprobs, moved, len(prompt_ids),
+                             done.num_cached_tokens, nbytes, time.monotonic() - start)
 
     async def submit_prefilled(self, result: PrefillResult, prompt_ids: list[int], params: SamplingParams,
                                waited_s: float, *, consumer_id: str = "default") -> int:
         """Go on decoding a request prefilled elsewhere ``waited_s`` ago; its deltas go to ``consumer_id``."""
         self._ensure_loop()
+        if isinstance(result.kv, ray.ObjectRef):  # fetched before the lock: steps go on meanwhile
+            result = replace(result, kv=await result.kv)
         async with self._lock:
             arrival = time.monotonic() - waited_s  # on this process's clock, as every timing here
             deltas = add_prefilled(self._engine, result, prompt_ids, params, arrival_time=arrival)

@@ -54,34 +54,34 @@ class RemotePrefill:
         return len(prompt_ids) - cached >= self.min_tokens
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, consumer_id: str) -> int:
-        """Prefill remotely, then queue the decode here; returns the prompt length (as ``submit``)."""
-        start = time.monotonic()
-        result = await self._prefill(request_id, prompt_ids, params)
-        handed = time.monotonic()
-        num: int = await self.actor.submit_prefilled.remote(result, prompt_ids, params, handed - start,
-                                                             consumer_id=consumer_id)
-        # The KV's trip: the remote call beyond the prefill itself, and the hand-over to our scheduler.
-        transfer_s = max(0.0, handed - start - result.prefill_s) + (time.monotonic() - handed)
-        self.num_remote += 1
-        self.transfer_bytes += result.kv_bytes
-        self._record("pd_remote_prefills", 1)
-        self._record("pd_kv_transfer_bytes", result.kv_bytes)
-        self._record("pd_kv_transfer_seconds", transfer_s)
-        return num
+        """Prefill remotely, then queue the decode here; returns the prompt length (as ``submit``).
 
-    async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PrefillResult:
+        An attempt fails as a whole (the prefill, or fetching its KV from the
+        object store once its replica died) and is then retried with a fresh id.
+        """
         last: BaseException | None = None
         for attempt in range(PREFILL_ATTEMPTS):
+            start = time.monotonic()
             try:
                 result: PrefillResult = await self.handle.prefill.remote(f"{request_id}.p{attempt}", prompt_ids, params)
+                handed = time.monotonic()
+                num: int = await self.actor.submit_prefilled.remote(
+                    replace(result, request_id=request_id), prompt_ids, params, handed - start, consumer_id=consumer_id)
             except InvalidParameterError:
                 raise  # the request's fault: no other replica would take it either
-            except Exception as exc:  # the replica died or failed mid-request: try another
+            except Exception as exc:  # a replica died or failed mid-request: try another
                 last = exc
                 if attempt + 1 < PREFILL_ATTEMPTS:
                     self.num_retries += 1
                     self._record("pd_prefill_retries", 1)
                 continue
-            return replace(result, request_id=request_id)  # this replica's id for it, not the attempt's
+            # The KV's trip: the remote call beyond the prefill itself, and the hand-over to our scheduler.
+            transfer_s = max(0.0, handed - start - result.prefill_s) + (time.monotonic() - handed)
+            self.num_remote += 1
+            self.transfer_bytes += result.kv_bytes
+            self._record("pd_remote_prefills", 1)
+            self._record("pd_kv_transfer_bytes", result.kv_bytes)
+            self._record("pd_kv_transfer_seconds", transfer_s)
+            return num
         raise APIError(503, f"the prefill pool failed this request {PREFILL_ATTEMPTS} times ({type(last).__name__}: "
                             f"{last}); retry the request", code="prefill_unavailable")

@@ -71,6 +71,11 @@ def test_a_failed_prefill_is_retried_once_then_a_503() -> None:
     assert sent.request_id == "r" and remote.num_retries == 1 and remote.transfer_bytes == 1234
     assert [c[0] for c in handle.prefill.calls] == ["r.p0", "r.p1"]  # a fresh id per attempt
 
+    # Fetching the KV can fail too (its replica died after the prefill): the attempt is retried whole.
+    lost = Fake(submit_prefilled=[RuntimeError("object lost"), 40])
+    again = RemotePrefill(Fake(prefill=[result("a"), result("b")]), lost, min_tokens=16)
+    assert asyncio.run(again.submit("q", list(range(40)), SamplingParams(), "c")) == 40 and again.num_retries == 1
+
     dead = RemotePrefill(Fake(prefill=[RuntimeError("down")] * PREFILL_ATTEMPTS), Fake(), min_tokens=16)
     with pytest.raises(APIError) as info:
         asyncio.run(dead.submit("r", list(range(40)), SamplingParams(), "c"))

@@ -19,6 +19,8 @@
                                       JSON-schema replies and forced tool calls validate? (JSON; exit 1 if not)
   flotilla bench structured overhead --model M
                                       per-step cost of constrained decoding at a mixed batch of 32 (JSON)
+  flotilla bench pd --model M [--json]
+                                      decode streams + long prompts, colocated vs P/D-disaggregated (JSON)
 
 Imports: the parser modules are light and imported here; each benchmark's
 runner (torch, Ray, the app) is imported when its subcommand runs, so that
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 
 from cli.bench.accuracy_cli import add_bench_accuracy_parser
 from cli.bench.autoscale_cli import add_bench_autoscale_parser
+from cli.bench.pd_cli import add_bench_pd_parser
 from cli.bench.serve_cli import add_bench_serve_parser
 from cli.bench.spec_cli import add_bench_spec_parsers
 from cli.bench.structured_cli import add_bench_structured_parser
@@ -104,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_spec_parsers(bench_sub)
     add_bench_accuracy_parser(bench_sub)
     add_bench_structured_parser(bench_sub)
+    add_bench_pd_parser(bench_sub)
     sched = bench_sub.add_parser("scheduler", help="schedule()+update() and match_prefix cost")
     sched.add_argument("--sizes", default="64,256,1024", help="running decodes to measure, comma-separated")
     sched.add_argument("--steps", type=int, default=200, help="timed steps per size")

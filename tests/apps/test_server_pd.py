@@ -12,23 +12,36 @@ from typing import Any
 import pytest
 import ray
 from openai import APIStatusError, OpenAI
+from ray import serve
 
+from apps.builder import build_app
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
-from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer, live_server
+from tests.serve_harness import ACTOR_NAMESPACE, ENGINE, TIMEOUT, LiveServer, wait_healthy
 
+APP = "pd"
 PREFILL_ACTOR = "pd-prefill-scheduler"
+DECODE_ACTOR = "pd-decode-scheduler"
 MIN_TOKENS = 24
 LONG = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(4)]
 SHORT = "hi"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
+def server(live: LiveServer, tiny_model_dir: Path) -> Iterator[LiveServer]:
+    """A pd app beside the package's app, on its cluster (one Ray per test package)."""
+    named = {"namespace": ACTOR_NAMESPACE}
     pd = {"remote_prefill_min_tokens": MIN_TOKENS,
-          "prefill": {"scheduler_options": {"name": PREFILL_ACTOR, "namespace": ACTOR_NAMESPACE}}, "decode": {}}
-    with live_server(tiny_model_dir, actor_name="pd-decode-scheduler", pd=pd) as s:
-        yield s
+          "prefill": {"scheduler_options": {"name": PREFILL_ACTOR, **named}}, "decode": {}}
+    args = {**ENGINE, "model": str(tiny_model_dir), "served_model_name": "tiny", "num_replicas": 1,
+            "scheduler_options": {"name": DECODE_ACTOR, **named}, "pd": pd}
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    try:
+        url = f"{live.url}/{APP}"
+        wait_healthy(url)
+        yield LiveServer(url, DECODE_ACTOR, APP)
+    finally:
+        serve.delete(APP)
 
 
 def prefill_stats() -> Any:

@@ -4,7 +4,7 @@ One workload runs greedily on two engines of one process, one after the
 other (the first is shut down and freed before the second is built): the
 *base* config, and the base updated by ``against`` (``{"kv_cache_dtype":
 "int8"}``, ``{"quantization": "int4"}``, ...). Options merge in this order:
-engine defaults < this benchmark's defaults (``BENCH_DEFAULTS``) < the
+engine defaults < this benchmark's defaults (``cli.bench.spec.OFFLINE_ENGINE_DEFAULTS``) < the
 command-line flags < ``base`` < ``against``; a key that both a flag and
 ``base`` set is an error (which one was meant?).
 
@@ -57,15 +57,12 @@ from actors.executor import LocalExecutor
 from actors.model_runner import ModelRunner
 from apps.llm import LLM
 from cli.bench.offline import batch1
-from cli.bench.spec import WARMUP_REQUESTS, Pass, measure
+from cli.bench.spec import OFFLINE_ENGINE_DEFAULTS, WARMUP_REQUESTS, Pass, measure
 from cli.bench.workload import is_chat, read_workload, workload_prompt_ids
 from kvcache.attention_backend import StepLayout
 from scheduling.errors import InvalidParameterError
 from scheduling.json_object import parse_json_object
 from scheduling.sampling_params import SamplingParams
-
-# Off as in bench offline / spec: the warm-up repeats the workload's first prompts.
-BENCH_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +101,7 @@ def engine_options(model: str, base: str | dict[str, Any] | None, against: str |
     clash = sorted(set(given) & set(base_opts))
     if clash:
         raise InvalidParameterError("base", f"sets {clash}, also given on the command line: keep one")
-    merged = {**BENCH_DEFAULTS, **given, **base_opts}
+    merged = {**OFFLINE_ENGINE_DEFAULTS, **given, **base_opts}
     _validated(merged, "base")
     updated = {**merged, **against_opts}
     _validated(updated, "against")

@@ -44,6 +44,9 @@ from scheduling.spec_config import SpeculativeConfig
 
 GPU_KV_FRACTION = 0.4  # of free GPU memory, for the baseline's pool when none is given (module docstring)
 WARMUP_REQUESTS = 2
+# Offline benchmarks repeat their prompts (warm-up, runs, A/B passes): with the prefix cache on, later
+# passes would skip the prefills being measured, so it is off unless a run asks for it.
+OFFLINE_ENGINE_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from actors.engine import LLMEngine
 from actors.grammar.masks import apply_token_masks
 from actors.prompt_ids import chat_ids
 from apps.llm import LLM
+from cli.bench.spec import OFFLINE_ENGINE_DEFAULTS
 from cli.bench.structured_schemas import SchemaCase
 from scheduling.batch import TokenMasks
 from scheduling.errors import InvalidParameterError
@@ -53,8 +54,6 @@ from scheduling.structured_output import StructuredOutput
 
 TARGET_FRAC = 0.10  # the step's acceptance: constrained decoding adds at most 10% to a mixed step
 MASK_APPLY_REPS = 50
-# Off as in the other offline benches: the runs repeat the same prompts.
-BENCH_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +177,7 @@ def run(model: str, cases: list[SchemaCase], *, schema_set: str, batch_size: int
         _check(name, value)
     if batch_size < 2:
         raise InvalidParameterError("batch_size", f"must be >= 2 (half of it constrained), got {batch_size}")
-    llm = LLM(model, **{**BENCH_DEFAULTS, "max_num_seqs": batch_size, **engine})
+    llm = LLM(model, **{**OFFLINE_ENGINE_DEFAULTS, "max_num_seqs": batch_size, **engine})
     try:
         work = build_workload(cases, llm.tokenizer, batch_size, max_tokens)
         eng = llm.engine

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from transformers import PretrainedConfig
 
@@ -67,3 +69,21 @@ def flotilla_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_dir(flotilla_cache: Path) -> Path:
     """The embedded ``tiny`` model, built into the session cache."""
     return ensure_embedded_model("tiny", root=flotilla_cache)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """One private local Ray cluster on loopback per module that asks; auth off for it."""
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # address="local": never attach to another cluster running on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if old is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = old

@@ -4,9 +4,7 @@ prompt KV continues exactly as the prefill runner would have, at tensor_parallel
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,23 +143,6 @@ def test_shard_other_than_rank0_returns_only_steps_with_exports() -> None:
     assert shard.execute(_batch(0, [(PROMPT, 0, [0, 1, 2])])) is None
     out = shard.execute(_batch(0, [(PROMPT, 0, [0, 1, 2])], kv_exports=[(0, [0, 1, 2])]))
     assert out is not None and out.kv_exports == ["payload"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A private local Ray cluster on loopback for this module; auth off for it."""
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old
 
 
 def test_tp2_exports_every_rank_and_imports_its_own_share(ray_cluster: None, llama_dir: Path) -> None:

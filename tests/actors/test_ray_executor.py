@@ -6,10 +6,9 @@ a small machine). Every engine started here is shut down by its test.
 
 from __future__ import annotations
 
-import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,24 +54,6 @@ def _prompts() -> list[list[int]]:
 
 
 PROMPTS = _prompts()
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """One local Ray cluster on loopback for the module; auth off for this private cluster."""
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    # address="local": never attach to another cluster running on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old
 
 
 _BUILT: dict[str, tuple[Path, list[list[int]]]] = {}

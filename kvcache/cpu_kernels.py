@@ -5,7 +5,9 @@ token per sequence) that walks each sequence's page table in place, one pass
 over K and V and no gather copy, on pages in the model dtype or quantized
 (int8 / fp8 e4m3 with per-token, per-head scales); and ``quantize_write``,
 which stores a step's k and v into quantized pages (source:
-``csrc/paged_decode.cpp``). It is
+``csrc/paged_decode.cpp``). ``get_quant_gemm`` hands out the weight-only
+int8/int4 products of ``actors.models.quant_linear`` (``csrc/quant_gemm.cpp``,
+built into the same module). It is
 built with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ``ninja``) into
 ``$FLOTILLA_CACHE_DIR/torch_extensions/<machine key>``, so a machine builds it
@@ -41,7 +43,8 @@ logger = logging.getLogger("flotilla.kvcache")
 ENV_SWITCH = "FLOTILLA_CPU_KERNELS"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"  # holds the module's bindings
+QUANT_GEMM_SOURCE = SOURCE.with_name("quant_gemm.cpp")
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 # Tried in order; the first that builds and loads wins.
 _VARIANTS: list[tuple[str, list[str]]] = [("native", ["-march=native"]), ("generic", [])]
@@ -155,7 +158,7 @@ def _build() -> Any:
             with _build_lock(directory), _ninja_on_path(), _quiet_torch():
                 return cpp_extension.load(
                     name=f"flotilla_paged_decode_{variant}",
-                    sources=[str(SOURCE)],
+                    sources=[str(SOURCE), str(QUANT_GEMM_SOURCE)],
                     extra_cflags=_BASE_CFLAGS + flags,
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(directory),
@@ -247,3 +250,14 @@ def get_quantize_write(
     op: QuantizeWrite = module.quantize_write
     return op
 
+
+
+def get_quant_gemm() -> Any | None:
+    """The module holding ``int8_gemm`` and ``int4_gemm`` (``csrc/quant_gemm.cpp``), or None.
+
+    None when the kernels are disabled or the extension cannot be built (as
+    ``get_paged_decode``). ``int8_gemm(out, x, q, scales)`` and
+    ``int4_gemm(out, x, codes, dm, group_size)`` write ``out`` (M, N) float32
+    from ``x`` (M, K) float32, K a multiple of 32; the layouts are in the source.
+    """
+    return load_extension()

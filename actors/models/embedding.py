@@ -66,7 +66,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto the vocab; each rank computes its range, then all-gather.
 
-    Quantized (``set_quant``), the int8 kernel returns bfloat16 logits: 8
+    Quantized (``set_quant``), the native int8 kernel returns float32 logits
+    (``Int8Linear.float32_products``). Torch's int8 kernel (no native kernel)
+    returns bfloat16 logits: 8
     significant bits, steps of 0.125 around a logit of 25, where SmolLM2's
     top two candidates are often closer than that (0.08 apart on the first
     answer token of "What is the capital of France?"), so rounding would tie
@@ -89,7 +91,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _int8_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.quant is not None
         logits = self.quant(hidden)
-        if hidden.dtype != torch.float32:
+        if hidden.dtype != torch.float32 or self.quant.float32_products:
             return logits
         top = logits.topk(min(REFINE_TOP_K, logits.shape[-1]), dim=-1, sorted=False).indices  # (T, k)
         rows = self.quant.qweight[top].float()  # (T, k, hidden)

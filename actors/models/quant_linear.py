@@ -1,36 +1,63 @@
-"""Weight-only int8 and int4 linears on CPU through torch's own packed kernels.
+"""Weight-only int8 and int4 linears on CPU.
 
 int8: one symmetric scale per output channel, ``w ~ q * scale`` with ``q`` in
--128..127 (``torch.ops.aten._weight_int8pack_mm``). int4: groups of
-``group_size`` along the input dim, asymmetric, ``w ~ (q - 8) * scale + zero``
-with ``q`` in 0..15 (``_convert_weight_to_int4pack_for_cpu`` /
-``_weight_int4pack_mm_for_cpu``; the ``- 8`` is the kernel's, checked in
-``tests/actors/test_quant_linear.py``).
+-128..127. int4: groups of ``group_size`` along the input dim, asymmetric,
+``w ~ (q - 8) * scale + zero`` with ``q`` in 0..15. The scales (int8:
+bfloat16; int4: float16 ``d`` and ``m``) are rounded *before* the codes are
+chosen (``quantize_int8``, ``quantize_int4``), so round-to-nearest holds
+against the values the kernels use; codes read directly from a file (GGUF,
+compressed-tensors) keep their codes and scales.
 
-Both kernels are fast only with bfloat16 activations and scales (on the
-2-core AVX512/AMX development VM, two threads, a 1x576 @ 960x576 product took
-183 us with float32 input and scales against 23 us in bfloat16 for int8, and
-525 us against 30 us for int4). So a quantized linear rounds its input activations to bfloat16, runs
-the kernel with bfloat16 scales (and zeros) and casts the bfloat16 output
-back to the model dtype: **activations are rounded to bfloat16 inside
-quantized linears**, whatever the model dtype. The scales and zeros are
-rounded to bfloat16 *before* the codes are chosen (``quantize_int8``,
-``quantize_int4``), so round-to-nearest holds against the values the kernel
-really uses; codes read directly from a file (GGUF, compressed-tensors) keep
-their codes and have their scales rounded at packing.
+Two kernels, chosen once per layer when it is built:
+
+- **native** (``kvcache/csrc/quant_gemm.cpp``, through
+  ``cpu_kernels.get_quant_gemm``), whenever the extension builds and the input
+  dim is a multiple of 32: the weight is dequantized in registers and
+  multiplied in **float32**, activations included (a bfloat16 model's
+  activations are widened, and the output cast back). int4 is stored as
+  nibbles with a float16 ``(d, m)`` per group, ``w = c * d + m`` with ``c =
+  q`` (GGUF Q4_1's form; ``d = scale``, ``m = zero - 8 * scale``, rounded to
+  float16: exact for GGUF blocks, whose d and m are float16). On the 2-core
+  development VM it runs SmolLM2-135M's batch-1 decode faster than torch's
+  kernels (docs/quantization.md), and the outputs carry no activation rounding.
+- **torch's** packed kernels otherwise (``_weight_int8pack_mm``,
+  ``_weight_int4pack_mm_for_cpu``), which are fast only with bfloat16
+  activations and scales (183 us in float32 against 23 us in bfloat16 for a
+  1x576 @ 960x576 int8 product here): the input is rounded to bfloat16, the
+  product runs with bfloat16 scales and zeros and the output is cast back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcache import cpu_kernels
+from scheduling.errors import InvalidParameterError
+
 KERNEL_DTYPE = torch.bfloat16
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output rows 16 at a time
+NATIVE_K_MULTIPLE = 32  # the native kernels' input dim (and int4 group size) step
+
+
+def _native_gemm(in_features: int, group_size: int | None = None) -> Any | None:
+    """The native kernels' module for a layer of this shape, or None (torch's kernels then)."""
+    if in_features % NATIVE_K_MULTIPLE or (group_size is not None and group_size % NATIVE_K_MULTIPLE):
+        return None
+    return cpu_kernels.get_quant_gemm()
+
+
+def _run_native(op: Any, x: torch.Tensor, out_features: int, *weights: Any) -> torch.Tensor:
+    """``op(out, x2d, *weights)`` in float32 over ``x``'s rows; the result in ``x``'s shape and dtype."""
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = x2.new_empty(x2.shape[0], out_features)
+    op(out, x2, *weights)
+    return out.view(*x.shape[:-1], out_features).to(x.dtype)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,20 +138,25 @@ def _dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Codes:
     """Asymmetric round-to-nearest int4 of ``w`` (N, K) in groups of ``group_size`` along K.
 
-    Per group: ``scale = (max - min) / 15`` and ``zero = min + 8 * scale``, both
-    rounded to bfloat16 (the kernel's), then ``codes = round((w - zero) / scale) + 8``
-    clamped to 0..15. A constant group gets scale 0 and codes 8.
+    Per group: ``d = (max - min) / 15`` and ``m = min``, both rounded to
+    float16 (the native kernel's ``w = q * d + m``), then ``q = round((w - m) / d)``
+    clamped to 0..15; stored as ``scale = d``, ``zero = m + 8 * d`` (exact in
+    float32). A constant group gets scale 0 and codes 0. Torch's kernel (no
+    native kernel) rounds scale and zero to bfloat16 at packing, as for codes
+    read from a file.
     """
     n, k = w.shape
     assert k % group_size == 0, f"in_features {k} is not a multiple of group_size {group_size}"
     g = w.float().view(n, k // group_size, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scales = ((hi - lo) / 15.0).to(KERNEL_DTYPE).float()
-    zeros = (lo + 8.0 * scales).to(KERNEL_DTYPE).float()
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-    codes = torch.round((g - zeros.unsqueeze(-1)) / safe.unsqueeze(-1)) + 8.0
+    d = ((hi - lo) / 15.0).to(torch.float16).float()
+    m = lo.to(torch.float16).float()
+    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+        raise InvalidParameterError("quantization", "int4 scales overflow float16: a weight exceeds 65504 in magnitude")
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    codes = torch.round((g - m.unsqueeze(-1)) / safe.unsqueeze(-1))
     codes = codes.clamp_(0, 15).to(torch.uint8).view(n, k)
-    return Int4Codes(codes=codes, scales=scales, zeros=zeros, group_size=group_size)
+    return Int4Codes(codes=codes, scales=d, zeros=m + 8.0 * d, group_size=group_size)
 
 
 class Int8Linear(nn.Module):
@@ -141,14 +173,24 @@ class Int8Linear(nn.Module):
         self.scales: torch.Tensor
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())
+        self._native = _native_gemm(self.in_features)
+        self._scales_f32 = self.scales.float() if self._native is not None else None
+
+    @property
+    def float32_products(self) -> bool:
+        """True when ``forward`` multiplies in float32 (the native kernel), False for bfloat16 (torch's)."""
+        return self._native is not None
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> Int8Linear:
         return cls(*quantize_int8(w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales)
-        return y.to(x.dtype)
+        if self._native is not None:
+            return _run_native(self._native.int8_gemm, x, self.out_features, self.qweight, self._scales_f32)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the table, ``q * scale`` in ``dtype``: what the head multiplies by."""
@@ -162,17 +204,21 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W^T`` with ``W`` int4 in groups of ``group_size`` (torch's CPU int4 packing)."""
+    """``y = x @ W^T`` with ``W`` int4 in groups of ``group_size``: native nibbles, else torch's CPU int4 packing."""
 
     def __init__(self, codes: Int4Codes) -> None:
         super().__init__()
         n, k = codes.shape
         self.out_features, self.in_features, self.group_size = n, k, codes.group_size
+        self._native = _native_gemm(k, codes.group_size)
         self.packed: torch.Tensor
         self.scales_and_zeros: torch.Tensor
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).contiguous(), 1)
-        # The kernel's layout: (K // group_size, N, 2) of (scale, zero).
-        sz = torch.stack([codes.scales.t(), codes.zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
+        if self._native is not None:
+            packed, sz = pack_int4_native(codes)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).contiguous(), 1)
+            # The kernel's layout: (K // group_size, N, 2) of (scale, zero).
+            sz = torch.stack([codes.scales.t(), codes.zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", sz)
 
@@ -180,14 +226,52 @@ class Int4Linear(nn.Module):
     def from_float(cls, w: torch.Tensor, group_size: int) -> Int4Linear:
         return cls(quantize_int4(w, group_size))
 
+    @property
+    def float32_products(self) -> bool:
+        """True when ``forward`` multiplies in float32 (the native kernel), False for bfloat16 (torch's)."""
+        return self._native is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros
-        )
-        return y.to(x.dtype)
+        if self._native is not None:
+            return _run_native(self._native.int4_gemm, x, self.out_features, self.packed, self.scales_and_zeros,
+                               self.group_size)
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (N, K): the weight ``forward`` multiplies by (the native layout only)."""
+        if self._native is None:
+            raise NotImplementedError("torch's int4 packing is opaque; read it through a product")
+        return unpack_int4_native(self.packed, self.scales_and_zeros, self.group_size)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
+
+
+def pack_int4_native(codes: Int4Codes) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native kernel's layout of ``codes``: nibbles (N, K / 2) uint8 and float16 ``(d, m)`` (N, K / G, 2).
+
+    Per block of 32 columns, byte j holds column j (low nibble) and column
+    j + 16 (high nibble). ``d = scale`` and ``m = zero - 8 * scale`` (computed
+    in float32, then rounded to float16), so ``w = q * d + m``.
+    """
+    n, k = codes.shape
+    c = codes.codes.view(n, k // 32, 2, 16)
+    packed = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
+    d, z = codes.scales.float(), codes.zeros.float()
+    dm = torch.stack([d, z - 8.0 * d], dim=-1).to(torch.float16).contiguous()
+    return packed, dm
+
+
+def unpack_int4_native(packed: torch.Tensor, dm: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 (N, K) ``q * d + m`` from ``pack_int4_native``'s layout."""
+    n, half = packed.shape
+    k = half * 2
+    b = packed.view(n, k // 32, 16)
+    q = torch.stack([b & 0xF, b >> 4], dim=2).view(n, k // group_size, group_size).float()
+    d, m = dm.float().unbind(-1)
+    return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k)
 
 
 QuantizedLinear = Int8Linear | Int4Linear

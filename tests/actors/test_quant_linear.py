@@ -1,11 +1,13 @@
 """int8 / int4 weight-only linears: round-trip bounds, kernels vs F.linear, sharding, errors.
 
 Bounds: int8 ``|w - q * scale| <= scale / 2``; int4 round-to-nearest
-``|w - deq| <= scale / 2`` plus the bfloat16 rounding of the group's scale
-and zero (``2**-8 * (|zero| + 16 * scale)``), plus float32 slack. Kernel
-outputs against ``F.linear`` on the dequantized weight, with the input
-rounded to bfloat16 as the quantized linears do: within bfloat16 rounding of
-the output (relative ``2**-7`` of the output's scale).
+``|w - deq| <= d / 2`` plus the float16 rounding of the group's ``d`` and
+``m`` (``2**-11 * (|m| + 16 * d)``, and float16's subnormal step), plus
+float32 slack. Kernel outputs against ``F.linear`` on the dequantized weight:
+the native kernels (``kernel`` fixture: ``native``) multiply in float32, so
+within float32 rounding (relative ``1e-5`` of the output's scale); torch's
+(``torch``: kernels switched off) round the input to bfloat16, so within
+bfloat16 rounding (relative ``2**-7``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,27 @@ from actors.models.quant_linear import (
     Int4Codes,
     Int4Linear,
     Int8Linear,
+    QuantizedLinear,
     dequantize_int8,
     quantize_int4,
     quantize_int8,
 )
+from kvcache import cpu_kernels
 from scheduling.errors import InvalidParameterError
 
 BF16 = torch.bfloat16
+F16 = torch.float16
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Layers built under it use the native kernels (they must build here) or torch's (kernels off)."""
+    if request.param == "torch":
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    else:
+        monkeypatch.delenv(cpu_kernels.ENV_SWITCH, raising=False)
+        assert cpu_kernels.get_quant_gemm() is not None
+    return str(request.param)
 
 
 def _weights(seed: int, rows: int, cols: int, magnitude: float) -> torch.Tensor:
@@ -70,40 +86,57 @@ def test_int4_round_to_nearest_within_half_a_scale(
     codes = quantize_int4(w, group_size)
     assert codes.codes.dtype == torch.uint8 and int(codes.codes.max()) <= 15
     assert codes.scales.shape == (rows, groups) == codes.zeros.shape
-    # The scales and zeros are what the kernel uses: already bfloat16 values.
-    assert torch.equal(codes.scales, codes.scales.to(BF16).float())
-    assert torch.equal(codes.zeros, codes.zeros.to(BF16).float())
-    s = codes.scales.repeat_interleave(group_size, dim=1)
-    z = codes.zeros.repeat_interleave(group_size, dim=1)
-    bound = s / 2 + 2**-8 * (z.abs() + 16 * s) + 1e-6 * w.abs().max()
+    # d and m are what the native kernel uses: already float16 values.
+    d, m = codes.scales, codes.zeros - 8 * codes.scales
+    assert torch.equal(d, d.to(F16).float()) and torch.equal(m, m.to(F16).float())
+    d, m = d.repeat_interleave(group_size, dim=1), m.repeat_interleave(group_size, dim=1)
+    bound = d / 2 + 2**-11 * (m.abs() + 16 * d) + 16 * 2**-24 + 1e-6 * w.abs().max()
     err = (w - codes.dequantize()).abs()
     assert bool((err <= bound).all()), float((err - bound).max())
 
 
-def _close_to_bf16_reference(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    want = F.linear(x.to(BF16).float(), w)
-    tol = 2**-7 * want.abs().max().item() + 1e-6
-    assert got.dtype == x.dtype
-    assert (got.float() - want).abs().max().item() <= tol
+def _close_to_reference(layer: QuantizedLinear, kernel: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``layer(x)`` against float64 ``x @ w^T``, within the rounding of the kernel's input (module docstring)."""
+    assert layer.float32_products == (kernel == "native")
+    got = layer(x)
+    assert got.dtype == x.dtype and got.shape == (*x.shape[:-1], w.shape[0])
+    if kernel == "native":
+        want, tol = F.linear(x.double(), w.double()), 1e-5
+    else:
+        want, tol = F.linear(x.to(BF16).double(), w.double()), 2**-7
+    if x.dtype == BF16:
+        tol = max(tol, 2**-7)  # the output itself is rounded to bfloat16
+    assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item() + 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])
-def test_int8_linear_matches_f_linear_on_the_dequantized_weight(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 40, 150])
+def test_int8_linear_matches_f_linear_on_the_dequantized_weight(kernel: str, dtype: torch.dtype, rows: int) -> None:
     w, x = _weights(1, 96, 64, 0.1), torch.randn(rows, 64).to(dtype)
     layer = Int8Linear.from_float(w)
-    _close_to_bf16_reference(layer(x), x, layer.dequantize())
+    _close_to_reference(layer, kernel, x, layer.dequantize())
+    _close_to_reference(layer, kernel, x.view(rows, 1, 64), layer.dequantize())  # any leading shape
     ids = torch.tensor([0, 5, 95, 5])
     assert torch.equal(layer.embed(ids, torch.float32), layer.dequantize()[ids])
 
 
+def test_layers_whose_input_dim_the_native_kernels_cannot_take_use_torch_s() -> None:
+    assert Int8Linear.from_float(_weights(1, 16, 48, 0.1)).float32_products is False  # 48: not a multiple of 32
+    assert Int8Linear.from_float(_weights(1, 16, 64, 0.1)).float32_products is True
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 40])
-def test_int4_linear_matches_f_linear_on_the_dequantized_weight(group_size: int, rows: int) -> None:
-    """Also pins the kernel's semantics: ``w = (q - 8) * scale + zero``."""
+@pytest.mark.parametrize("rows", [1, 3, 40, 150])
+def test_int4_linear_matches_f_linear_on_the_dequantized_weight(kernel: str, group_size: int, rows: int) -> None:
+    """Also pins the kernels' semantics: ``w = (q - 8) * scale + zero``."""
     w, x = _weights(2, 48, 256, 0.1) + 0.05, torch.randn(rows, 256)
     codes = quantize_int4(w, group_size)
-    _close_to_bf16_reference(Int4Linear(codes)(x), x, codes.dequantize())
+    layer = Int4Linear(codes)
+    if kernel == "torch":  # torch's kernel rounds scale and zero to bfloat16 at packing
+        codes = Int4Codes(codes.codes, codes.scales.to(BF16).float(), codes.zeros.to(BF16).float(), group_size)
+    _close_to_reference(layer, kernel, x, codes.dequantize())
+    if kernel == "native":
+        torch.testing.assert_close(layer.dequantize(), codes.dequantize(), rtol=0, atol=1e-7)
 
 
 def _full_codes(rows: int, cols: int, group_size: int, seed: int) -> Int4Codes:
@@ -177,8 +210,9 @@ def test_int4_shapes_the_kernel_cannot_take_are_refused_by_name() -> None:
     assert e.value.param == "quantization" and "16" in e.value.message
 
 
-def test_an_int8_head_recomputes_its_top_logits_in_float32() -> None:
-    """bfloat16 logits would tie two candidates 0.02 apart at ~25; the top ones come out in float32."""
+def test_an_int8_head_recomputes_its_top_logits_in_float32(kernel: str) -> None:
+    """bfloat16 logits would tie two candidates 0.02 apart at ~25; the top ones come out in float32
+    (all of them with the native kernel, the top ``REFINE_TOP_K`` recomputed after torch's)."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 32, generator=g)
     hidden[0, 5] = 0.5
@@ -192,7 +226,10 @@ def test_an_int8_head_recomputes_its_top_logits_in_float32() -> None:
     assert head.quant is not None
     exact = hidden @ head.quant.dequantize().t()
     assert 20 < exact[0, 9].item() < 32 and exact[0, 9] > exact[0, 7]
-    assert head.quant(hidden)[0, 9] == head.quant(hidden)[0, 7]  # the kernel's bfloat16 logits tie
+    if kernel == "torch":
+        assert head.quant(hidden)[0, 9] == head.quant(hidden)[0, 7]  # the kernel's bfloat16 logits tie
+    else:
+        torch.testing.assert_close(head.quant(hidden), exact, rtol=1e-6, atol=1e-5)
     logits = head(hidden)
     assert logits.dtype == torch.float32 and int(logits[0].argmax()) == int(exact[0].argmax()) == 9
     top = exact.topk(REFINE_TOP_K, dim=-1).indices

@@ -23,7 +23,9 @@ Each engine, in this order:
    the engine only shuts down.
 
 Figures: ``greedy_agreement`` is the share of requests whose output ids are
-identical; ``mean_kl`` / ``max_kl`` are KL(base || against) of the full
+identical; ``divergences`` and ``base_min_margin_quantiles``
+(``accuracy_divergence``) say where the others part and how close the base
+itself was to another token there; ``mean_kl`` / ``max_kl`` are KL(base || against) of the full
 next-token distributions (float64 log-softmax) over every output position
 of every request. The base's float32 logits are held in memory until the
 against engine has run (requests x tokens x vocab x 4 bytes: 20 x 64 tokens
@@ -56,6 +58,7 @@ from actors.engine_config import EngineConfig
 from actors.executor import LocalExecutor
 from actors.model_runner import ModelRunner
 from apps.llm import LLM
+from cli.bench.accuracy_divergence import divergences, margin_quantiles
 from cli.bench.offline import batch1
 from cli.bench.spec import OFFLINE_ENGINE_DEFAULTS, WARMUP_REQUESTS, Pass, measure
 from cli.bench.workload import is_chat, read_workload, workload_prompt_ids
@@ -258,6 +261,7 @@ def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base
     against_pass, against_figs, kl = _run_against(against_opts, prompts, params, base_pass.token_ids, base_logits,
                                                   settings)
     same = sum(a == b for a, b in zip(base_pass.token_ids, against_pass.token_ids, strict=True))
+    parted = divergences(base_pass.token_ids, against_pass.token_ids, base_logits)
     return {
         "model": model,
         "workload": str(workload),
@@ -271,6 +275,8 @@ def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base
         "greedy_agreement": round(same / len(reqs), 4),
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
+        "divergences": parted,
+        "base_min_margin_quantiles": margin_quantiles(base_logits),
         "kv_pages_ratio": _ratio(against_figs["kv_pages"], base_figs["kv_pages"]),
         "decode_speedup": _ratio(against_figs["decode_tok_per_s"], base_figs["decode_tok_per_s"]),
         "output_tok_per_s_ratio": _ratio(against_figs["output_tok_per_s"], base_figs["output_tok_per_s"]),
@@ -299,6 +305,8 @@ def format_table(result: dict[str, Any]) -> str:
         row("weight bytes", "weight_bytes", "d"),
         f"greedy_agreement {r['greedy_agreement']:.3f}   mean_kl {r['mean_kl']:.3e}   max_kl {r['max_kl']:.3e}"
         f"   (over {r['output_tokens']} positions)",
+        f"outputs part at base top-2 gaps {sorted(d['base_margin'] for d in r['divergences'] if d['base_margin'] is not None)}"
+        f"; smallest gap per request {r['base_min_margin_quantiles']}",
         f"kv_pages_ratio {r['kv_pages_ratio']}   decode_speedup {r['decode_speedup']}"
         f"   output_tok_per_s_ratio {r['output_tok_per_s_ratio']}",
     ])

@@ -239,12 +239,6 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 (N, K): the weight ``forward`` multiplies by (the native layout only)."""
-        if self._native is None:
-            raise NotImplementedError("torch's int4 packing is opaque; read it through a product")
-        return unpack_int4_native(self.packed, self.scales_and_zeros, self.group_size)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
 

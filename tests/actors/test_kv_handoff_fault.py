@@ -24,7 +24,10 @@ from tests.actors.test_kv_handoff import ENGINE, GREEDY, PROMPTS, assert_all_fre
 PROMPT = PROMPTS[-1]  # 102 tokens: chunked prefill, several KV pages
 REQUEST_ID = "m"
 CONSUMER = "pd"
-TIMEOUT_S = 60.0  # actor start-up and ordinary calls
+TIMEOUT_S = 60.0  # ordinary calls
+# Actor start-up: the first actors of a process tree may build the native CPU kernels (kvcache.cpu_kernels),
+# a minute or more on 2 busy cores.
+STARTUP_TIMEOUT_S = 300.0
 HANDOFF_TIMEOUT_S = 10.0  # the hand-over of a result whose owner is dead must fail well within this
 
 
@@ -55,7 +58,7 @@ def replicas(ray_cluster: None, config: EngineConfig) -> Iterator[Replicas]:
     try:
         for _ in range(3):
             started.append(SchedulerActor.remote(config))
-        ray.get([a.health.remote() for a in started], timeout=TIMEOUT_S)
+        ray.get([a.health.remote() for a in started], timeout=STARTUP_TIMEOUT_S)
         yield Replicas(*started)
     finally:
         for actor in started:

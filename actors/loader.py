@@ -33,7 +33,7 @@ from actors.gguf import q4_blocks
 from actors.gguf.convert import ensure_gguf_folder
 from actors.log import get_logger
 from actors.models.llama import LlamaForCausalLM
-from actors.models.quant_linear import Int4Codes
+from actors.models.quant_linear import Int4Codes, Int8Blocks
 from actors.models.registry import resolve_architecture
 from actors.presets import PRESETS, ensure_preset
 from actors.quant import compressed_tensors
@@ -212,8 +212,9 @@ def load_model(
 
 def _weights(
     plan: QuantPlan, files: list[Path], llm: LlamaForCausalLM, progress: bool | None
-) -> Iterator[tuple[str, torch.Tensor | Int4Codes]]:
-    """The checkpoint's tensors, with quantized weights as ``Int4Codes`` where the plan reads them directly."""
+) -> Iterator[tuple[str, torch.Tensor | Int4Codes | Int8Blocks]]:
+    """The checkpoint's tensors, with quantized weights as ``Int4Codes`` (linears) or ``Int8Blocks`` (vocab)
+    where the plan reads them directly."""
     if plan.ct_scheme is not None:
         yield from compressed_tensors.iter_int4_weights(iter_checkpoint(files, progress=progress), plan.ct_scheme)
         return

@@ -256,7 +256,7 @@ def get_quant_gemm() -> Any | None:
     """The module holding ``int8_gemm`` and ``int4_gemm`` (``csrc/quant_gemm.cpp``), or None.
 
     None when the kernels are disabled or the extension cannot be built (as
-    ``get_paged_decode``). ``int8_gemm(out, x, q, scales)`` and
+    ``get_paged_decode``). ``int8_gemm(out, x, q, scales, group_size)`` and
     ``int4_gemm(out, x, codes, dm, group_size)`` write ``out`` (M, N) float32
     from ``x`` (M, K) float32, K a multiple of 32; the layouts are in the source.
     """

@@ -6,12 +6,15 @@ codes serve with ``scale = d`` and ``zero = m + 8 * d``. Q4_0 is
 ``x = d * (q - 8)``: ``scale = d``, ``zero = 0``. No dequantize-requantize
 round trip: the codes are the file's, in groups of 32 (``GROUP_SIZE``).
 
-The scales and zeros are kept in float32 here (exact: sums of fp16 values);
-the kernel takes them in bfloat16, which rounds them (8 significant bits
-instead of fp16's 11): on SmolLM2-135M that moves the logits by about 1% of
-the largest (``actors.quant`` has the measurements). The head and embedding
-(Q8_0 blocks of 32, with no per-channel counterpart in the int8 kernel) are
-requantized to int8 per row from their dequantized floats.
+The scales and zeros are kept in float32 here (exact: sums of fp16 values).
+The native int4 kernel takes ``d`` and ``m = zero - 8d`` in float16, exactly
+the file's; torch's kernel (no native kernel) rounds them to bfloat16.
+
+The embedding and LM head, when stored as Q8_0 blocks (32 int8 values and
+an fp16 ``d``: ``x = d * q``), load directly too, as ``Int8Blocks`` (an int8
+weight with a scale per group of 32), so ``quantization="int4"`` on a
+Q4_1/Q8_0 file multiplies by exactly the file's weights. Other vocab types
+are requantized to int8 per row from their dequantized floats.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from gguf import GGMLQuantizationType as T
 from actors.gguf.convert import GGUF_LAYER_NAMES, hf_name, unpermute_rows
 from actors.gguf.reader import GGUFError, GGUFFile, GGUFTensor, block_layout
 from actors.models.llama import FUSED_CHECKPOINT_NAMES
-from actors.models.quant_linear import Int4Codes
+from actors.models.quant_linear import Int4Codes, Int8Blocks
 
-GROUP_SIZE = 32  # values per Q4_0 / Q4_1 block
+GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block
 DIRECT_TYPES = (T.Q4_0, T.Q4_1)
+DIRECT_VOCAB_TYPES = (T.Q8_0,)
+_VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 # llama.cpp names of the linear weights (the projections, not norms or embeddings).
 _LINEAR_SUFFIXES = tuple(k for k, v in GGUF_LAYER_NAMES.items() if v.endswith("_proj.weight"))
 
@@ -58,6 +63,19 @@ def q4_codes(tensor: GGUFTensor) -> Int4Codes:
     )
 
 
+def q8_blocks(tensor: GGUFTensor) -> Int8Blocks:
+    """The int8 values and fp16 scales (as float32, exact) of a Q8_0 tensor."""
+    if tensor.qtype not in DIRECT_VOCAB_TYPES:
+        raise GGUFError(f"tensor {tensor.name!r} is {tensor.type_name}, not Q8_0")
+    rows, k = tensor.shape
+    per_block, block_bytes = block_layout(tensor.qtype)
+    assert per_block == GROUP_SIZE
+    blocks = torch.from_numpy(tensor.raw.reshape(-1, block_bytes).copy())
+    codes = blocks[:, 2:].contiguous().view(torch.int8)
+    return Int8Blocks(codes=codes.reshape(rows, k), scales=_f16(blocks, 0).reshape(rows, k // GROUP_SIZE),
+                      group_size=GROUP_SIZE)
+
+
 def _fused_key(name: str) -> str:
     for hf_part, (ours, _) in FUSED_CHECKPOINT_NAMES.items():
         if hf_part in name:
@@ -84,11 +102,21 @@ def direct_int4_tensors(g: GGUFFile) -> dict[str, GGUFTensor]:
     }
 
 
+def direct_vocab_tensors(g: GGUFFile) -> dict[str, GGUFTensor]:
+    """Hugging Face name -> tensor, for the embedding and LM head if stored as Q8_0 blocks."""
+    return {hf_name(name): g.tensors[name] for name in _VOCAB_TENSORS
+            if name in g.tensors and g.tensors[name].qtype in DIRECT_VOCAB_TYPES}
+
+
 def iter_int4_weights(
     tensors: dict[str, GGUFTensor], *, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, Int4Codes]]:
-    """``(hf_name, Int4Codes)`` for ``tensors`` (from ``direct_int4_tensors``), Q/K rows un-permuted."""
+) -> Iterator[tuple[str, Int4Codes | Int8Blocks]]:
+    """``(hf_name, Int4Codes)`` for the linears of ``tensors`` (``direct_int4_tensors``), Q/K rows un-permuted,
+    and ``(hf_name, Int8Blocks)`` for its vocab tensors (``direct_vocab_tensors``)."""
     for name, tensor in tensors.items():
+        if tensor.qtype in DIRECT_VOCAB_TYPES:
+            yield name, q8_blocks(tensor)
+            continue
         codes = q4_codes(tensor)
         heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads if name.endswith("k_proj.weight") else 0
         if heads:

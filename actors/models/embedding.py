@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from actors.models.quant_linear import Int8Linear
+from actors.models.quant_linear import Int8Blocks, Int8Linear
 
 REFINE_TOP_K = 32  # logits per row an int8 head recomputes in float32
 
@@ -35,9 +35,16 @@ class VocabParallelEmbedding(nn.Module):
         self.quant: Int8Linear | None = None
         self.dtype = self.weight.dtype  # of the rows an int8 lookup returns
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        """Keep this rank's vocab rows of the full (vocab, dim) tensor."""
+    def load_weight(self, param_name: str, loaded: torch.Tensor | Int8Blocks, shard_id: str | int | None = None) -> None:
+        """Keep this rank's vocab rows of the full (vocab, dim) tensor, or of int8 blocks read from a file."""
         n = max(0, min(self.num_per_rank, self.num_embeddings - self.vocab_start))
+        if isinstance(loaded, Int8Blocks):
+            codes = torch.zeros(self.num_per_rank, loaded.codes.shape[1], dtype=torch.int8)  # padding rows: 0
+            scales = torch.zeros(self.num_per_rank, loaded.scales.shape[1], dtype=torch.float32)
+            rows = loaded.rows(self.vocab_start, n)
+            codes[:n], scales[:n] = rows.codes, rows.scales
+            self.set_quant(Int8Linear(codes, scales, loaded.group_size))
+            return
         self.weight.data.narrow(0, 0, n).copy_(loaded.narrow(0, self.vocab_start, n))
 
     def set_quant(self, quant: Int8Linear) -> None:

@@ -29,7 +29,7 @@ from actors.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
-from actors.models.quant_linear import Int4Codes, Int8Linear
+from actors.models.quant_linear import Int4Codes, Int8Blocks, Int8Linear
 from kvcache.attention_backend import AttentionBackend
 from scheduling.errors import InvalidParameterError
 
@@ -252,11 +252,12 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits (N, vocab) for the rows of ``hidden`` that will be sampled."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Codes]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Codes | Int8Blocks]]) -> set[str]:
         """Copy HF-named full tensors into this rank's shards; return our loaded names.
 
         A linear weight may come as ``Int4Codes`` (read quantized from the file):
-        the layer then packs it and keeps no float weight. Raises ``ValueError``
+        the layer then packs it and keeps no float weight; the embedding or
+        head as ``Int8Blocks``, kept as they are. Raises ``ValueError``
         for a name the model has no place for, and for parameters the
         checkpoint never provided.
         """
@@ -295,15 +296,19 @@ class LlamaForCausalLM(nn.Module):
 
         ``method`` is ``int8`` (per output channel) or ``int4`` (groups of
         ``group_size``). The head is int8 per vocab row with either method (int4
-        is the linears'); a tied embedding then reads the same int8 rows. Each
-        float weight is freed once replaced.
+        is the linears'), unless it was loaded as int8 blocks (``Int8Blocks``:
+        GGUF Q8_0), which it keeps; a tied embedding reads the same int8 rows.
+        Each float weight is freed once replaced.
         """
         for module in self.modules():
             if isinstance(module, ParallelLinear):
                 module.quantize(method, group_size)
-        head = Int8Linear.from_float(self.lm_head.weight.data)
-        self.lm_head.set_quant(head)
-        if self.args.tie_word_embeddings:
+        tied = self.args.tie_word_embeddings
+        loaded = self.model.embed_tokens.quant if tied else self.lm_head.quant
+        head = loaded if loaded is not None else Int8Linear.from_float(self.lm_head.weight.data)
+        if self.lm_head.quant is None:
+            self.lm_head.set_quant(head)
+        if tied and self.model.embed_tokens.quant is None:
             self.model.embed_tokens.set_quant(head)
 
     def weight_bytes(self) -> int:

@@ -159,48 +159,87 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Codes:
     return Int4Codes(codes=codes, scales=d, zeros=m + 8.0 * d, group_size=group_size)
 
 
-class Int8Linear(nn.Module):
-    """``y = x @ (q * scale)^T`` with int8 ``q`` (N, K) and a bfloat16 scale per output row.
+@dataclass
+class Int8Blocks:
+    """An int8 weight read from a file in groups: ``w = codes * scales`` per group of ``group_size`` columns.
 
-    Also an embedding table (``embed``): a tied lm_head and embedding share one.
+    ``codes`` (N, K) int8, ``scales`` (N, K // group_size) float32 (GGUF Q8_0:
+    groups of 32 with a float16 scale each). What a direct loader hands to an
+    embedding's ``load_weight``; ``Int8Linear.from_blocks`` multiplies by it as is.
     """
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+
+    def rows(self, start: int, count: int) -> Int8Blocks:
+        return Int8Blocks(self.codes.narrow(0, start, count), self.scales.narrow(0, start, count), self.group_size)
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale)^T`` with int8 ``q`` (N, K): a bfloat16 scale per output row, or float32 per group.
+
+    Per row is what ``quantize_int8`` makes; per group (``group_size``) is an
+    int8 weight read from a file as it is stored (``from_blocks``: GGUF Q8_0),
+    which only the native kernel multiplies directly (without it, the weight is
+    dequantized for each product: exact but slow). Also an embedding table
+    (``embed``): a tied lm_head and embedding share one.
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> None:
         super().__init__()
-        assert q.dtype == torch.int8 and scales.shape == (q.shape[0],)
-        self.out_features, self.in_features = q.shape
+        n, k = q.shape
+        assert q.dtype == torch.int8
+        assert scales.shape == ((n,) if group_size is None else (n, k // group_size)), (scales.shape, group_size)
+        self.out_features, self.in_features = n, k
+        self.group_size = group_size
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
         self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())
-        self._native = _native_gemm(self.in_features)
-        self._scales_f32 = self.scales.float() if self._native is not None else None
-
-    @property
-    def float32_products(self) -> bool:
-        """True when ``forward`` multiplies in float32 (the native kernel), False for bfloat16 (torch's)."""
-        return self._native is not None
+        scale_dtype = KERNEL_DTYPE if group_size is None else torch.float32
+        self.register_buffer("scales", scales.to(scale_dtype).contiguous())
+        self._native = _native_gemm(k, group_size)
+        self._kernel_scales = None if self._native is None else self.scales.float().view(n, -1).contiguous()
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> Int8Linear:
         return cls(*quantize_int8(w))
 
+    @classmethod
+    def from_blocks(cls, blocks: Int8Blocks) -> Int8Linear:
+        return cls(blocks.codes, blocks.scales, blocks.group_size)
+
+    @property
+    def float32_products(self) -> bool:
+        """True when ``forward`` multiplies in float32 (the native kernel, or any per-group weight)."""
+        return self._native is not None or self.group_size is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native is not None:
-            return _run_native(self._native.int8_gemm, x, self.out_features, self.qweight, self._scales_f32)
+            group = self.group_size or self.in_features
+            return _run_native(self._native.int8_gemm, x, self.out_features, self.qweight, self._kernel_scales, group)
+        if self.group_size is not None:
+            return F.linear(x.float(), self.dequantize()).to(x.dtype)
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the table, ``q * scale`` in ``dtype``: what the head multiplies by."""
-        return F.embedding(ids, self.qweight).to(dtype) * self.scales[ids].to(dtype).unsqueeze(-1)
+        rows = F.embedding(ids, self.qweight)
+        if self.group_size is None:
+            return rows.to(dtype) * self.scales[ids].to(dtype).unsqueeze(-1)
+        grouped = rows.float().unflatten(-1, (-1, self.group_size)) * self.scales[ids].unsqueeze(-1)
+        return grouped.flatten(-2).to(dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_int8(self.qweight, self.scales)
+        if self.group_size is None:
+            return dequantize_int8(self.qweight, self.scales)
+        return (self.qweight.float().unflatten(-1, (-1, self.group_size)) * self.scales.unsqueeze(-1)).flatten(-2)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+        per = "per channel" if self.group_size is None else f"groups of {self.group_size}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {per}"
 
 
 class Int4Linear(nn.Module):

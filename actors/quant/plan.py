@@ -40,8 +40,8 @@ DEFAULT_INT4_GROUP_SIZE = 128
 @dataclass(frozen=True)
 class QuantPlan:
     """``method`` (``int8``, ``int4`` or None for float), its ``group_size`` (int4), and
-    ``source``: ``float`` (quantized at load), ``gguf`` (Q4 blocks in ``gguf_tensors``,
-    by Hugging Face name, the rest from floats) or ``compressed-tensors`` (``ct_scheme``)."""
+    ``source``: ``float`` (quantized at load), ``gguf`` (Q4 blocks, and Q8_0 vocab
+    blocks, in ``gguf_tensors``, by Hugging Face name, the rest from floats) or ``compressed-tensors`` (``ct_scheme``)."""
 
     method: str | None = None
     group_size: int | None = None
@@ -58,8 +58,10 @@ class QuantPlan:
             return str(dtype).removeprefix("torch.")
         if self.method == "int8":
             return "int8 per channel"
-        blocks = f", {len(self.gguf_tensors)} linears from GGUF Q4 blocks" if self.source == "gguf" else ""
-        return f"int4, group {self.group_size}{blocks}, lm_head int8"
+        vocab = sum(t.qtype in q4_blocks.DIRECT_VOCAB_TYPES for t in self.gguf_tensors.values())
+        blocks = f", {len(self.gguf_tensors) - vocab} linears from GGUF Q4 blocks" if self.source == "gguf" else ""
+        head = "lm_head from GGUF Q8_0 blocks" if vocab else "lm_head int8"
+        return f"int4, group {self.group_size}{blocks}, {head}"
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Refuse (by name) a model whose linear shapes the int4 kernel cannot take, before loading."""
@@ -132,5 +134,6 @@ def _gguf_q4_tensors(path: Path) -> tuple[Path, dict[str, GGUFTensor]] | None:
         raise InvalidParameterError(
             "model", f"{path} was converted from {gguf_path}, which is gone; quantization='int4' reads its Q4 blocks"
         )
-    tensors = q4_blocks.direct_int4_tensors(read_gguf(gguf_path))
-    return (gguf_path, tensors) if tensors else None
+    g = read_gguf(gguf_path)
+    tensors = q4_blocks.direct_int4_tensors(g)
+    return (gguf_path, {**tensors, **q4_blocks.direct_vocab_tensors(g)}) if tensors else None

@@ -464,7 +464,7 @@ void quantize_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots, torch
 }
 
 // The extension's other source, quant_gemm.cpp: weight-only int8/int4 products (one module for both files).
-void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor q, torch::Tensor scales);
+void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size);
 void int4_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor dm, int64_t group_size);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -474,6 +474,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scales") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_write", &quantize_write, "Quantize k and v per token and head into their slots",
         py::call_guard<py::gil_scoped_release>());
-  m.def("int8_gemm", &int8_gemm, "out = x @ (q * scales)^T, float32", py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm", &int8_gemm, "out = x @ (q * scales per group)^T, float32", py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "out = x @ (codes * d + m)^T, float32", py::call_guard<py::gil_scoped_release>());
 }

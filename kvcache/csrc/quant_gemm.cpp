@@ -1,7 +1,9 @@
 // Weight-only int8 and int4 products on the CPU with float32 activations:
 // y (M, N) = x (M, K) @ W^T, W dequantized in registers, float32 throughout.
 //
-// int8: q (N, K) int8 and scales (N,) float32, W[n, k] = q[n, k] * scales[n].
+// int8: q (N, K) int8 and scales (N, K / G) float32 per group of G input
+//   columns, W[n, k] = q[n, k] * scales[n, k / G]; G = K is one scale per
+//   output channel, and G = 32 is GGUF Q8_0's blocks.
 // int4: codes (N, K / 2) uint8 and dm (N, K / G, 2) float16 bits (d, m) per
 //   group of G input columns, W[n, k] = c * d + m with c in 0..15 (GGUF
 //   Q4_1's form). Codes are packed per block of 32 columns: byte j of a block
@@ -65,20 +67,29 @@ float half_to_float(uint16_t h) {
 
 #if defined(__AVX512F__)
 
-// MB activation rows x one int8 weight row.
+// MB activation rows x one int8 weight row (scales s: one per group of G).
 template <int MB>
-void int8_row(float* y, int64_t ldy, const float* x, int64_t K, const int8_t* w, float scale) {
+void int8_row(float* y, int64_t ldy, const float* x, int64_t K, const int8_t* w, const float* s, int64_t G) {
   __m512 acc0[MB], acc1[MB];
   for (int i = 0; i < MB; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH_BYTES), _MM_HINT_T0);
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k))));
-    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16))));
-    for (int i = 0; i < MB; ++i) {
-      acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + k), acc0[i]);
-      acc1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + k + 16), acc1[i]);
+  const bool per_row = G == K;  // one scale: applied once, at the end
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m512 sg = _mm512_set1_ps(per_row ? 1.0f : s[g]);
+    for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH_BYTES), _MM_HINT_T0);
+      __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k))));
+      __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16))));
+      if (!per_row) {  // loop-invariant: the compiler unswitches it
+        w0 = _mm512_mul_ps(sg, w0);
+        w1 = _mm512_mul_ps(sg, w1);
+      }
+      for (int i = 0; i < MB; ++i) {
+        acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + k), acc0[i]);
+        acc1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + k + 16), acc1[i]);
+      }
     }
   }
+  const float scale = per_row ? s[0] : 1.0f;
   for (int i = 0; i < MB; ++i) y[i * ldy] = scale * _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
 }
 
@@ -110,11 +121,12 @@ void int4_row(float* y, int64_t ldy, const float* x, int64_t K, const uint8_t* c
 #else
 
 template <int MB>
-void int8_row(float* y, int64_t ldy, const float* x, int64_t K, const int8_t* w, float scale) {
+void int8_row(float* y, int64_t ldy, const float* x, int64_t K, const int8_t* w, const float* s, int64_t G) {
+  const bool per_row = G == K;
   for (int i = 0; i < MB; ++i) {
     float acc = 0.0f;
-    for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(w[k]) * x[i * K + k];
-    y[i * ldy] = scale * acc;
+    for (int64_t k = 0; k < K; ++k) acc += static_cast<float>(w[k]) * (per_row ? 1.0f : s[k / G]) * x[i * K + k];
+    y[i * ldy] = (per_row ? s[0] : 1.0f) * acc;
   }
 }
 
@@ -164,19 +176,21 @@ int64_t grain(int64_t N) {
 
 }  // namespace
 
-void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
+void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size) {
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   check_common(out, x, N);
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.size(1) == K, "q: contiguous int8 (N, K)");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N,
-              "scales: float32 (N,)");
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N * groups,
+              "scales: contiguous float32 (N, K / group_size)");
   float* y = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const int8_t* w = q.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
     rows(M, n0, n1, [&](auto mb, int64_t m, int64_t n) {
-      int8_row<decltype(mb)::value>(y + m * N + n, N, xp + m * K, K, w + n * K, s[n]);
+      int8_row<decltype(mb)::value>(y + m * N + n, N, xp + m * K, K, w + n * K, s + n * groups, group_size);
     });
   });
 }

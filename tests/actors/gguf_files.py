@@ -62,6 +62,9 @@ def encode(w: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator)
     return quants.quantize(w, qtype)
 
 
+VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
 def _gguf_name(hf: str) -> str:
     inverse = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
     if hf in inverse:
@@ -71,8 +74,10 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_llama_gguf(path: Path, qtype: GGMLQuantizationType, *, config: LlamaConfig | None = None,
-                     seed: int = 0, architecture: str = "llama") -> Path:
-    """Write a seeded tiny Llama as a GGUF file with 2-D weights in ``qtype``; returns ``path``."""
+                     seed: int = 0, architecture: str = "llama", vocab_qtype: GGMLQuantizationType | None = None
+                     ) -> Path:
+    """Write a seeded tiny Llama as a GGUF file with 2-D weights in ``qtype`` (the embedding and
+    LM head in ``vocab_qtype`` when given, as llama.cpp's Q4 files keep them in Q8_0); returns ``path``."""
     config = config or gguf_llama_config()
     state = build_hf_model(config, seed).state_dict()
     rng = np.random.default_rng(seed)
@@ -99,8 +104,9 @@ def write_llama_gguf(path: Path, qtype: GGMLQuantizationType, *, config: LlamaCo
         if w.ndim == 1:
             writer.add_tensor(_gguf_name(name), w)
         else:
-            data = encode(w, qtype, rng)
-            raw_dtype = None if qtype == T.F32 else qtype
+            kind = vocab_qtype if vocab_qtype is not None and name in VOCAB_NAMES else qtype
+            data = encode(w, kind, rng)
+            raw_dtype = None if kind == T.F32 else kind
             writer.add_tensor(_gguf_name(name), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -29,6 +29,7 @@ from actors.models.layers import (
 from actors.models.quant_linear import (
     Int4Codes,
     Int4Linear,
+    Int8Blocks,
     Int8Linear,
     QuantizedLinear,
     dequantize_int8,
@@ -119,6 +120,24 @@ def test_int8_linear_matches_f_linear_on_the_dequantized_weight(kernel: str, dty
     _close_to_reference(layer, kernel, x.view(rows, 1, 64), layer.dequantize())  # any leading shape
     ids = torch.tensor([0, 5, 95, 5])
     assert torch.equal(layer.embed(ids, torch.float32), layer.dequantize()[ids])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_int8_blocks_multiply_by_their_group_scales(kernel: str, rows: int) -> None:
+    """An int8 weight with a scale per group of 32 (GGUF Q8_0), as read from a file: float32 either way
+    (torch's path dequantizes per product), rows and embedding lookups exactly ``q * scale``."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (48, 96), generator=g, dtype=torch.int8)
+    scales = torch.rand(48, 3, generator=g).to(F16).float()
+    layer = Int8Linear.from_blocks(Int8Blocks(q, scales, 32))
+    w = (q.float().view(48, 3, 32) * scales.unsqueeze(-1)).view(48, 96)
+    assert torch.equal(layer.dequantize(), w) and layer.float32_products
+    x = torch.randn(rows, 96)
+    want = F.linear(x.double(), w.double())
+    assert (layer(x).double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    ids = torch.tensor([0, 47, 3, 3])
+    assert torch.equal(layer.embed(ids, torch.float32), w[ids])
+    assert Int8Blocks(q, scales, 32).rows(5, 2).codes.shape == (2, 96)
 
 
 def test_layers_whose_input_dim_the_native_kernels_cannot_take_use_torch_s() -> None:

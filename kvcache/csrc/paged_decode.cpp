@@ -466,6 +466,8 @@ void quantize_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots, torch
 // The extension's other source, quant_gemm.cpp: weight-only int8/int4 products (one module for both files).
 void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size);
 void int4_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor dm, int64_t group_size);
+void int8_dequant(torch::Tensor out, torch::Tensor q, torch::Tensor scales, int64_t group_size);
+void int4_dequant(torch::Tensor out, torch::Tensor codes, torch::Tensor dm, int64_t group_size);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention into out, in place",
@@ -476,4 +478,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, "out = x @ (q * scales per group)^T, float32", py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "out = x @ (codes * d + m)^T, float32", py::call_guard<py::gil_scoped_release>());
+  m.def("int8_dequant", &int8_dequant, "out = q * scales per group", py::call_guard<py::gil_scoped_release>());
+  m.def("int4_dequant", &int4_dequant, "out = codes * d + m", py::call_guard<py::gil_scoped_release>());
 }

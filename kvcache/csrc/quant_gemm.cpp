@@ -9,6 +9,9 @@
 //   Q4_1's form). Codes are packed per block of 32 columns: byte j of a block
 //   holds column j in its low nibble and column j + 16 in its high nibble.
 //
+// int8_dequant / int4_dequant write the float32 weight (N, K) itself, for
+// products of many rows, which then go to torch's float32 GEMM.
+//
 // K must be a multiple of 32 (and of G); the Python side checks it. Work is
 // split over output rows (at::parallel_for, torch's intra-op threads). Each
 // thread walks tiles of TILE_M activation rows, so a tile stays in L2 while
@@ -212,5 +215,65 @@ void int4_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::T
     rows(M, n0, n1, [&](auto mb, int64_t m, int64_t n) {
       int4_row<decltype(mb)::value>(y + m * N + n, N, xp + m * K, K, c + n * (K / 2), h + n * groups * 2, group_size);
     });
+  });
+}
+
+void int8_dequant(torch::Tensor out, torch::Tensor q, torch::Tensor scales, int64_t group_size) {
+  const int64_t N = q.size(0), K = q.size(1), groups = K / group_size;
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == N && out.size(1) == K,
+              "out: contiguous float32 (N, K)");
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && K % group_size == 0, "q: contiguous int8");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == N * groups, "scales: float32 (N, K / G)");
+  float* o = out.data_ptr<float>();
+  const int8_t* w = q.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float sg = s[n * groups + g];
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16) {
+#if defined(__AVX512F__)
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + n * K + k))));
+          _mm512_storeu_ps(o + n * K + k, _mm512_mul_ps(v, _mm512_set1_ps(sg)));
+#else
+          for (int j = 0; j < 16; ++j) o[n * K + k + j] = static_cast<float>(w[n * K + k + j]) * sg;
+#endif
+        }
+      }
+    }
+  });
+}
+
+void int4_dequant(torch::Tensor out, torch::Tensor codes, torch::Tensor dm, int64_t group_size) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, groups = K / group_size;
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == N && out.size(1) == K,
+              "out: contiguous float32 (N, K)");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && K % group_size == 0 &&
+                  group_size % 32 == 0, "codes: contiguous uint8 (N, K / 2)");
+  TORCH_CHECK(dm.scalar_type() == torch::kFloat16 && dm.numel() == N * groups * 2, "dm: float16 (N, K / G, 2)");
+  float* o = out.data_ptr<float>();
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(dm.data_ptr());
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float d = half_to_float(h[(n * groups + g) * 2]), m = half_to_float(h[(n * groups + g) * 2 + 1]);
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
+          const uint8_t* b = c + n * (K / 2) + k / 2;
+          float* dst = o + n * K + k;
+#if defined(__AVX512F__)
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+          const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+          _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))), dv, mv));
+          _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv));
+#else
+          for (int j = 0; j < 16; ++j) {
+            dst[j] = static_cast<float>(b[j] & 0xF) * d + m;
+            dst[j + 16] = static_cast<float>(b[j] >> 4) * d + m;
+          }
+#endif
+        }
+      }
+    }
   });
 }

@@ -27,6 +27,7 @@ from actors.models.layers import (
     RowParallelLinear,
 )
 from actors.models.quant_linear import (
+    DEQUANT_MIN_ROWS,
     Int4Codes,
     Int4Linear,
     Int8Blocks,
@@ -42,6 +43,8 @@ from scheduling.errors import InvalidParameterError
 
 BF16 = torch.bfloat16
 F16 = torch.float16
+# Both native paths: the quantized-weight loop below DEQUANT_MIN_ROWS rows, dequantize + float32 GEMM from it.
+ROWS = [1, 3, DEQUANT_MIN_ROWS - 1, DEQUANT_MIN_ROWS, 150]
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -112,7 +115,7 @@ def _close_to_reference(layer: QuantizedLinear, kernel: str, x: torch.Tensor, w:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40, 150])
+@pytest.mark.parametrize("rows", ROWS)
 def test_int8_linear_matches_f_linear_on_the_dequantized_weight(kernel: str, dtype: torch.dtype, rows: int) -> None:
     w, x = _weights(1, 96, 64, 0.1), torch.randn(rows, 64).to(dtype)
     layer = Int8Linear.from_float(w)
@@ -122,7 +125,7 @@ def test_int8_linear_matches_f_linear_on_the_dequantized_weight(kernel: str, dty
     assert torch.equal(layer.embed(ids, torch.float32), layer.dequantize()[ids])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("rows", ROWS)
 def test_int8_blocks_multiply_by_their_group_scales(kernel: str, rows: int) -> None:
     """An int8 weight with a scale per group of 32 (GGUF Q8_0), as read from a file: float32 either way
     (torch's path dequantizes per product), rows and embedding lookups exactly ``q * scale``."""
@@ -146,7 +149,7 @@ def test_layers_whose_input_dim_the_native_kernels_cannot_take_use_torch_s() -> 
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 40, 150])
+@pytest.mark.parametrize("rows", ROWS)
 def test_int4_linear_matches_f_linear_on_the_dequantized_weight(kernel: str, group_size: int, rows: int) -> None:
     """Also pins the kernels' semantics: ``w = (q - 8) * scale + zero``."""
     w, x = _weights(2, 48, 256, 0.1) + 0.05, torch.randn(rows, 256)

@@ -253,11 +253,13 @@ def get_quantize_write(
 
 
 def get_quant_gemm() -> Any | None:
-    """The module holding ``int8_gemm`` and ``int4_gemm`` (``csrc/quant_gemm.cpp``), or None.
+    """The module holding the weight-only products and dequantizers (``csrc/quant_gemm.cpp``), or None.
 
     None when the kernels are disabled or the extension cannot be built (as
     ``get_paged_decode``). ``int8_gemm(out, x, q, scales, group_size)`` and
     ``int4_gemm(out, x, codes, dm, group_size)`` write ``out`` (M, N) float32
-    from ``x`` (M, K) float32, K a multiple of 32; the layouts are in the source.
+    from ``x`` (M, K) float32, K a multiple of 32; ``int8_dequant(w, q, scales,
+    group_size)`` and ``int4_dequant(w, codes, dm, group_size)`` write the
+    float32 weight (N, K) itself. The layouts are in the source.
     """
     return load_extension()

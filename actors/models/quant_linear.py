@@ -13,7 +13,8 @@ Two kernels, chosen once per layer when it is built:
 - **native** (``kvcache/csrc/quant_gemm.cpp``, through
   ``cpu_kernels.get_quant_gemm``), whenever the extension builds and the input
   dim is a multiple of 32: the weight is dequantized in registers and
-  multiplied in **float32**, activations included (a bfloat16 model's
+  multiplied in **float32** (from ``DEQUANT_MIN_ROWS`` rows, dequantized
+  into a float32 weight for torch's GEMM instead), activations included (a bfloat16 model's
   activations are widened, and the output cast back). int4 is stored as
   nibbles with a float16 ``(d, m)`` per group, ``w = c * d + m`` with ``c =
   q`` (GGUF Q4_1's form; ``d = scale``, ``m = zero - 8 * scale``, rounded to

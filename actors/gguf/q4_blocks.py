@@ -41,14 +41,19 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
-def q4_codes(tensor: GGUFTensor) -> Int4Codes:
-    """The codes, scales and zeros of a Q4_0 or Q4_1 tensor (rows as stored: not un-permuted)."""
-    if tensor.qtype not in DIRECT_TYPES:
-        raise GGUFError(f"tensor {tensor.name!r} is {tensor.type_name}, not Q4_0 or Q4_1")
-    rows, k = tensor.shape
+def _blocks(tensor: GGUFTensor, types: tuple[T, ...], names: str) -> torch.Tensor:
+    """The tensor's raw blocks (one row of bytes per block of ``GROUP_SIZE`` values); its type must be in ``types``."""
+    if tensor.qtype not in types:
+        raise GGUFError(f"tensor {tensor.name!r} is {tensor.type_name}, not {names}")
     per_block, block_bytes = block_layout(tensor.qtype)
     assert per_block == GROUP_SIZE
-    blocks = torch.from_numpy(tensor.raw.reshape(-1, block_bytes).copy())
+    return torch.from_numpy(tensor.raw.reshape(-1, block_bytes).copy())
+
+
+def q4_codes(tensor: GGUFTensor) -> Int4Codes:
+    """The codes, scales and zeros of a Q4_0 or Q4_1 tensor (rows as stored: not un-permuted)."""
+    blocks = _blocks(tensor, DIRECT_TYPES, "Q4_0 or Q4_1")
+    rows, k = tensor.shape
     qs_start = 2 if tensor.qtype == T.Q4_0 else 4
     qs = blocks[:, qs_start : qs_start + GROUP_SIZE // 2]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # ggml's order: low nibbles, then high
@@ -65,12 +70,8 @@ def q4_codes(tensor: GGUFTensor) -> Int4Codes:
 
 def q8_blocks(tensor: GGUFTensor) -> Int8Blocks:
     """The int8 values and fp16 scales (as float32, exact) of a Q8_0 tensor."""
-    if tensor.qtype not in DIRECT_VOCAB_TYPES:
-        raise GGUFError(f"tensor {tensor.name!r} is {tensor.type_name}, not Q8_0")
+    blocks = _blocks(tensor, DIRECT_VOCAB_TYPES, "Q8_0")
     rows, k = tensor.shape
-    per_block, block_bytes = block_layout(tensor.qtype)
-    assert per_block == GROUP_SIZE
-    blocks = torch.from_numpy(tensor.raw.reshape(-1, block_bytes).copy())
     codes = blocks[:, 2:].contiguous().view(torch.int8)
     return Int8Blocks(codes=codes.reshape(rows, k), scales=_f16(blocks, 0).reshape(rows, k // GROUP_SIZE),
                       group_size=GROUP_SIZE)

@@ -313,14 +313,4 @@ def pack_int4_native(codes: Int4Codes) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, dm
 
 
-def unpack_int4_native(packed: torch.Tensor, dm: torch.Tensor, group_size: int) -> torch.Tensor:
-    """float32 (N, K) ``q * d + m`` from ``pack_int4_native``'s layout."""
-    n, half = packed.shape
-    k = half * 2
-    b = packed.view(n, k // 32, 16)
-    q = torch.stack([b & 0xF, b >> 4], dim=2).view(n, k // group_size, group_size).float()
-    d, m = dm.float().unbind(-1)
-    return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k)
-
-
 QuantizedLinear = Int8Linear | Int4Linear

@@ -107,6 +107,19 @@ def wait_healthy(url: str, timeout_s: float = TIMEOUT) -> None:
 
 
 @contextlib.contextmanager
+def app_beside(live: LiveServer, args: dict[str, Any], app: str, actor: str | None) -> Iterator[LiveServer]:
+    """``build_app(args)`` deployed as ``app`` at ``/app`` on ``live``'s cluster (one Ray per test package),
+    healthy; deleted on exit. ``actor``: its scheduler actor's name (None when it lives in the replica)."""
+    serve.run(build_app(args), name=app, route_prefix=f"/{app}")
+    try:
+        url = f"{live.url}/{app}"
+        wait_healthy(url)
+        yield LiveServer(url, actor, app)
+    finally:
+        serve.delete(app)
+
+
+@contextlib.contextmanager
 def live_server(model_dir: Path, actor_name: str = "scheduler", **app_args: Any) -> Iterator[LiveServer]:
     """One local Ray cluster and one replica of ``model_dir`` (extra ``app_args`` go to ``build_app``).
 

@@ -15,11 +15,10 @@ import httpx2
 import openai
 import psutil
 import pytest
-from ray import serve
 
 from apps.builder import build_app
 from scheduling.errors import InvalidParameterError
-from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, http, wait_healthy
+from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, app_beside, http
 
 APP = "in-replica"
 GREEDY = {"model": "tiny", "prompt": "the same text", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -28,13 +27,8 @@ GREEDY = {"model": "tiny", "prompt": "the same text", "max_tokens": 24, "tempera
 @pytest.fixture(scope="module")
 def in_replica(live: LiveServer, tiny_model_dir: Path) -> Iterator[LiveServer]:
     args = {**ENGINE, "model": str(tiny_model_dir), "served_model_name": "tiny", "scheduler_placement": "replica"}
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-    try:
-        url = f"{live.url}/{APP}"
-        wait_healthy(url)
-        yield LiveServer(url, None, APP)
-    finally:
-        serve.delete(APP)
+    with app_beside(live, args, APP, None) as server:
+        yield server
 
 
 def test_greedy_text_is_the_same_as_the_actor_placed_app(in_replica: LiveServer, live: LiveServer) -> None:

@@ -12,12 +12,16 @@ from typing import Any
 import pytest
 import ray
 from openai import APIStatusError, OpenAI
-from ray import serve
 
-from apps.builder import build_app
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
-from tests.serve_harness import ACTOR_NAMESPACE, ENGINE, TIMEOUT, LiveServer, wait_healthy
+from tests.serve_harness import (
+    ACTOR_NAMESPACE,
+    ENGINE,
+    TIMEOUT,
+    LiveServer,
+    app_beside,
+)
 
 APP = "pd"
 PREFILL_ACTOR = "pd-prefill-scheduler"
@@ -35,13 +39,8 @@ def server(live: LiveServer, tiny_model_dir: Path) -> Iterator[LiveServer]:
           "prefill": {"scheduler_options": {"name": PREFILL_ACTOR, **named}}, "decode": {}}
     args = {**ENGINE, "model": str(tiny_model_dir), "served_model_name": "tiny", "num_replicas": 1,
             "scheduler_options": {"name": DECODE_ACTOR, **named}, "pd": pd}
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-    try:
-        url = f"{live.url}/{APP}"
-        wait_healthy(url)
-        yield LiveServer(url, DECODE_ACTOR, APP)
-    finally:
-        serve.delete(APP)
+    with app_beside(live, args, APP, DECODE_ACTOR) as server:
+        yield server
 
 
 def prefill_stats() -> Any:

@@ -59,8 +59,20 @@ def _listener(port: int) -> psutil.Process:
     return psutil.Process(conn.pid)
 
 
+def _descendants(proc: psutil.Process, marker: str) -> list[psutil.Process]:
+    """``proc``'s descendants whose command line holds ``marker``; one that exits mid-walk is skipped."""
+    found = []
+    for child in proc.children(recursive=True):
+        try:
+            if marker in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:  # Ray's short-lived workers come and go while we look
+            continue
+    return found
+
+
 def _descendant(proc: psutil.Process, marker: str) -> psutil.Process:
-    [found] = [p for p in proc.children(recursive=True) if marker in " ".join(p.cmdline())]
+    [found] = _descendants(proc, marker)
     return found
 
 
@@ -128,6 +140,6 @@ def test_a_killed_scheduler_is_replaced_behind_haproxy(served: tuple[str, psutil
         return reply.usage is not None and reply.usage.completion_tokens == 4
 
     poll_until(answers_on_a_new_replica, DEADLINE_S, "a replacement replica to answer")
-    replicas = {p.pid for p in proc.children(recursive=True) if "ray::ServeReplica" in " ".join(p.cmdline())}
+    replicas = {p.pid for p in _descendants(proc, "ray::ServeReplica")}
     assert replicas - {old_replica.pid}, "Serve replaced the replica"
     poll_until(lambda: _pages_free(url), DEADLINE_S, "every page to be free")

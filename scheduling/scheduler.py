@@ -155,6 +155,9 @@ class Scheduler:
         running = self.running
         spec = self.spec if self.spec is not None and self.spec.start_step(len(running)) else None
         preempted = False
+        # (index in ``scheduled``, drafts to verify) of the sampled sequences that may speculate: their
+        # pages are reserved only once every request's ordinary pages are (``_reserve_speculation``).
+        speculating: list[tuple[int, list[int]]] = []
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -168,18 +171,19 @@ class Scheduler:
                     break
             else:
                 samples = req.num_computed_tokens + n == req.num_tokens
+                drafts = _NO_DRAFTS
                 if spec is not None and samples:
-                    drafts = spec.drafts(req, min(spec.max_drafts(req), budget - 1)) if n == 1 else _NO_DRAFTS
-                    drafts, propose = spec.reserve(self.kv, req, n, drafts)
-                    n += len(drafts)
-                    scheduled.append((req, n, samples, drafts, propose))
-                else:
-                    scheduled.append((req, n, samples, _NO_DRAFTS, 0))
-                budget -= n
+                    if n == 1:
+                        drafts = spec.drafts(req, min(spec.max_drafts(req), budget - 1))
+                    speculating.append((len(scheduled), drafts))
+                scheduled.append((req, n, samples, _NO_DRAFTS, 0))
+                budget -= n + len(drafts)  # the drafts' budget is held; their pages come last
                 i += 1
         imports: list[tuple[list[int], tuple[Any, ...]]] = []  # P/D: prompt KV that arrived (kv_handoff)
         if not preempted:
-            budget = self._admit(scheduled, budget, spec, imports)
+            budget = self._admit(scheduled, budget, spec, imports, speculating)
+        if spec is not None:
+            self._reserve_speculation(spec, scheduled, speculating)
         if not scheduled:
             return None
         self._step += 1
@@ -188,7 +192,7 @@ class Scheduler:
         return replace(batch, kv_imports=imports or None, kv_exports=exports or None) if imports or exports else batch
 
     def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None,
-               imports: list[tuple[list[int], tuple[Any, ...]]]) -> int:
+               imports: list[tuple[list[int], tuple[Any, ...]]], speculating: list[tuple[int, list[int]]]) -> int:
         cfg = self.config
         cache = self.cache
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -221,10 +225,25 @@ class Scheduler:
                 self._count_prefix_hit(req, match.num_tokens)
             self._start_running(req)
             samples = req.num_computed_tokens + n == req.num_tokens
-            propose = spec.reserve(self.kv, req, n, _NO_DRAFTS)[1] if spec is not None and samples else 0
-            scheduled.append((req, n, samples, _NO_DRAFTS, propose))
+            if spec is not None and samples:
+                speculating.append((len(scheduled), _NO_DRAFTS))
+            scheduled.append((req, n, samples, _NO_DRAFTS, 0))
             budget -= n
         return budget
+
+    def _reserve_speculation(self, spec: SpecDecodePolicy, scheduled: list[Scheduled],
+                             speculating: list[tuple[int, list[int]]]) -> None:
+        """Give the speculating sequences their draft and proposal pages, from what is left.
+
+        Runs after every request of the step holds its ordinary pages, so a
+        draft never takes a page a request needed (which would evict cached
+        prefixes or preempt it). A sequence whose drafts do not fit drops them;
+        the step then computes fewer tokens than its budget allowed.
+        """
+        for k, wanted in speculating:
+            req, n, samples, _, _ = scheduled[k]
+            drafts, propose = spec.reserve(self.kv, req, n, wanted)
+            scheduled[k] = (req, n + len(drafts), samples, drafts, propose)
 
     def _start_running(self, req: Request) -> None:
         """Move the head of ``waiting`` (``req``) into the running batch."""

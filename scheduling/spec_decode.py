@@ -51,6 +51,9 @@ class DraftState:
     """One request's speculation: drafts waiting for its next step and its recent acceptance."""
 
     draft_token_ids: list[int] = field(default_factory=list)
+    # The output length the proposals follow: they are valid for the step right after they were made and
+    # stale once any token is added without them (a step that did not draft, a cooldown, a preemption).
+    proposed_at: int = -1
     # (drafted, accepted) of its last drafted steps, at most acceptance_window of them.
     recent: deque[tuple[int, int]] = field(default_factory=deque)
     # The output length from which it may draft again after a cooldown.
@@ -97,13 +100,15 @@ class SpecDecodePolicy:
 
     def drafts(self, req: Request, limit: int) -> list[int]:
         """Up to ``limit`` draft tokens to verify in ``req``'s next decode step."""
+        cfg = self.config
+        if cfg.drafts_in_runner:  # taken once, and discarded even when none are wanted: they go stale
+            state = self._state(req)
+            drafts, state.draft_token_ids = state.draft_token_ids, []
+            if limit <= 0 or state.proposed_at != len(req.output_token_ids):
+                return []
+            return drafts[:limit]
         if limit <= 0:
             return []
-        cfg = self.config
-        if cfg.drafts_in_runner:  # taken once: proposals older than the last step are stale
-            state = self._state(req)
-            drafts, state.draft_token_ids = state.draft_token_ids[:limit], []
-            return drafts
         return propose_ngram(req.all_token_ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def num_to_propose(self, req: Request) -> int:
@@ -123,7 +128,9 @@ class SpecDecodePolicy:
         """Pages for ``req``'s drafts and proposals, from free pages only; else none of either.
 
         ``n`` tokens are computed this step before the drafts. Speculation is
-        opportunistic: it never evicts cached prefixes or preempts a request.
+        opportunistic: it never evicts cached prefixes or preempts a request,
+        and the scheduler calls this only after every request of the step has
+        its ordinary pages, so drafts never take a page another request needed.
         Proposing m drafts after the step computes m tokens from the new last
         one, at most m positions past the step's tokens, and stops short of
         ``max_model_len``. Returns the drafts to verify and how many to propose.
@@ -154,5 +161,7 @@ class SpecDecodePolicy:
             state.recent.clear()
 
     def set_proposals(self, req: Request, draft_token_ids: list[int]) -> None:
-        """Keep the runner's drafts for ``req``'s next step."""
-        self._state(req).draft_token_ids = draft_token_ids
+        """Keep the runner's drafts for ``req``'s next step (they follow its current output)."""
+        state = self._state(req)
+        state.draft_token_ids = draft_token_ids
+        state.proposed_at = len(req.output_token_ids)

@@ -239,3 +239,57 @@ def test_any_mix_keeps_outputs_and_frees_every_page(
         if rid not in aborted:
             assert run.finished[rid].output_token_ids == want
     assert_pool_clean(run)
+
+
+def test_drafts_reserve_pages_after_every_request_and_never_preempt_another() -> None:
+    # Two running requests and one free page at the step where both need one more: the first would
+    # take it for its drafts and the second (needing it for its ordinary token) would be preempted,
+    # had drafts been reserved in the same pass. Without speculation nothing is preempted here.
+    for spec in (None, DRAFT):
+        cfg = SchedulerConfig(max_model_len=6, max_num_seqs=2, max_num_batched_tokens=32, page_size=2,
+                              enable_prefix_caching=False, speculative_config=spec)
+        run = make(cfg, num_pages=3)
+        a = add(run, "a", [39], 3)
+        b = add(run, "b", [5, 96], 2)
+        drain(run)
+        assert a.num_preemptions == b.num_preemptions == 0, spec
+        assert run.scheduler.stats.num_preemptions == 0
+        assert a.output_token_ids == reference_generate([39], 3, VOCAB)
+        assert b.output_token_ids == reference_generate([5, 96], 2, VOCAB)
+        assert_pool_clean(run)
+
+
+def test_proposals_not_taken_by_the_next_step_are_never_verified() -> None:
+    # A step that does not draft (the engine's acceptance below its bar) still adds a token: the
+    # proposals made before it follow an older output and must not be verified after it.
+    run = make(config(DRAFT), num_pages=64)
+    req = add(run, "p", [2, 7, 1], 30)
+    while req.spec is None or not req.spec.draft_token_ids:
+        assert step(run) is not None
+    policy = run.scheduler.spec
+    assert policy is not None
+    drafting = policy.start_step
+    policy.start_step = lambda num_running: False  # type: ignore[method-assign]
+    batch = step(run)
+    assert batch is not None and batch.draft_token_ids is None
+    policy.start_step = drafting  # type: ignore[method-assign]
+    drafted = run.scheduler.stats.spec_num_draft_tokens
+    batch = step(run)
+    assert batch is not None and batch.draft_token_ids is None  # stale: dropped, not verified
+    assert run.scheduler.stats.spec_num_draft_tokens == drafted
+    drain(run)
+    assert req.output_token_ids == reference_generate([2, 7, 1], 30, VOCAB)
+    assert run.scheduler.stats.spec_num_draft_tokens > drafted  # fresh proposals are verified again
+    assert_pool_clean(run)
+
+
+def test_a_request_cooling_down_drops_its_proposals() -> None:
+    policy = make(config(DRAFT), num_pages=64).scheduler.spec
+    assert policy is not None
+    req = Request("c", [1, 2, 3], SamplingParams(max_tokens=20))
+    req.output_token_ids.append(4)
+    policy.set_proposals(req, [5, 6, 7])
+    assert policy.drafts(req, 0) == []  # cooling down: none wanted now, and none kept for later
+    assert policy.drafts(req, 3) == []
+    policy.set_proposals(req, [5, 6, 7])
+    assert policy.drafts(req, 2) == [5, 6]

@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
+from xgrammar import CompiledGrammar
+
 from actors.detokenizer import IncrementalDetokenizer
 from actors.engine_config import EngineConfig
 from actors.executor import Executor, LocalExecutor
@@ -96,8 +98,13 @@ class LLMEngine:
         *,
         namespace: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> int:
-        """Queue a request (``params.n`` sequences); returns its prompt length."""
+        """Queue a request (``params.n`` sequences); returns its prompt length.
+
+        ``grammar``: ``params.structured_output`` already compiled (``GrammarCompiler.compile_async``);
+        without it the constraint is compiled here, waiting at most the compile timeout.
+        """
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
@@ -110,8 +117,10 @@ class LLMEngine:
         if constraint is not None and self.eos_token_id is None:
             raise InvalidParameterError(constraint.param, "this model has no end-of-sequence token to end "
                                                           "a constrained output with")
-        # Cached when the scheduler actor compiled it off the loop (``GrammarCompiler.compile_async``).
-        grammar = self.grammar.compile(constraint) if constraint is not None else None
+        if constraint is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.grammar.compile(constraint)
         children: list[str] = []
         try:
             for i in range(params.n):

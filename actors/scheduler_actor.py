@@ -124,14 +124,17 @@ class SchedulerService:
         namespace: str | None, consumer_id: str | None,
     ) -> list[int]:
         self._ensure_loop()
+        grammar = None
         if params.structured_output is not None:
-            # Compiled on the grammar worker while steps go on; add_request then finds it cached.
-            await self._engine.grammar.compile_async(params.structured_output)
+            # Compiled on the grammar worker while steps go on, and handed to add_request: looked up
+            # again, it could have left the compiler's LRU meanwhile and be compiled under the lock.
+            grammar = await self._engine.grammar.compile_async(params.structured_output)
         async with self._lock:
             # An InvalidParameterError reaches the caller whole, param included:
             # it pickles through its own __reduce__ (scheduling.errors).
             ids = self._engine.tokenize(prompt)
-            self._engine.add_request(request_id, prompt, params, namespace=namespace, prompt_token_ids=ids)
+            self._engine.add_request(request_id, prompt, params, namespace=namespace, prompt_token_ids=ids,
+                                     grammar=grammar)
             self._router.register(request_id, consumer_id, params.n)
         self._wake.set()
         return ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -89,3 +90,35 @@ def test_a_compile_past_the_bound_is_refused_and_the_replica_serves_on(
     assert err.param == "structured_outputs.choice" and "did not compile within 0.2 s" in err.message
     assert free.outputs[0].finish_reason == "length"
     assert stats.num_unfinished_requests == 0 and dict(stats.structured_output_requests) == {}
+
+
+def test_the_compiled_grammar_is_handed_to_the_engine_not_looked_up_again(
+    config: EngineConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # More distinct constraints in flight than the compiler caches: the first one's entry is evicted
+    # while it waits. Looked up again under the engine lock, it would compile a second time there.
+    release = held_compiles(monkeypatch)
+    other = StructuredOutput.choice(["gamma", "delta"], param="structured_outputs.choice")
+
+    async def scenario() -> tuple[Any, Any, Any]:
+        svc = SchedulerService(config)
+        svc._engine.grammar.max_cached = 1
+        first = asyncio.ensure_future(svc.generate(
+            "first", PROMPT, SamplingParams(max_tokens=12, temperature=0.0, structured_output=CHOICE)))
+        second = asyncio.ensure_future(svc.generate(
+            "second", PROMPT, SamplingParams(max_tokens=12, temperature=0.0, structured_output=other)))
+        deadline = time.monotonic() + TIMEOUT
+        while other.key not in svc._engine.grammar._cache:  # the second compile evicted the first's entry
+            assert time.monotonic() < deadline, "the second constraint never reached the compiler"
+            await asyncio.sleep(0.01)
+        release.set()
+        done = await asyncio.wait_for(asyncio.gather(first, second), TIMEOUT)
+        stats = await svc.stats()
+        await svc.shutdown()
+        return done[0], done[1], stats
+
+    first, second, stats = asyncio.run(scenario())
+    assert first.outputs[0].text in ("alpha", "beta") and second.outputs[0].text in ("gamma", "delta")
+    assert stats.grammar_compiles_total == 2  # each constraint compiled once
+    assert stats.num_unfinished_requests == 0
+    assert stats.num_kv_pages_locked == 0 and stats.num_kv_pages_free + stats.num_kv_pages_evictable == stats.num_kv_pages_total

@@ -17,17 +17,22 @@ Each engine, in this order:
    batch-1 decode tok/s;
 3. the teacher-forced pass: prompt + the BASE engine's output through the
    engine's own model and paged attention, keeping the next-token logits at
-   every output position (``teacher_forced_logits``). The attention reads
-   K/V back from the pool, so a quantized KV dtype is measured. Last, because it
-   overwrites pool pages that the prefix cache may still index: after it
-   the engine only shuts down.
+   every output position (``accuracy_forced.teacher_forced_logits``). The
+   attention reads K/V back from the pool, so a quantized KV dtype is
+   measured (``accuracy_forced`` says why one prefill suffices);
+4. the held-out text (``--heldout``, default ``data/heldout_prose.txt``),
+   teacher-forced window by window: each scored token's NLL and argmax.
+   Steps 3 and 4 come last because they overwrite pool pages that the prefix
+   cache may still index: after them the engine only shuts down.
 
 Figures: ``greedy_agreement`` is the share of requests whose output ids are
 identical; ``divergences`` and ``base_min_margin_quantiles``
 (``accuracy_divergence``) say where the others part and how close the base
 itself was to another token there; ``mean_kl`` / ``max_kl`` are KL(base || against) of the full
 next-token distributions (float64 log-softmax) over every output position
-of every request. The base's float32 logits are held in memory until the
+of every request; ``token_top1_agreement`` is the share of those positions
+where both argmaxes agree, ``perplexity_ratio`` the against engine's
+perplexity on the held-out text over the base's (``accuracy_forced``). The base's float32 logits are held in memory until the
 against engine has run (requests x tokens x vocab x 4 bytes: 20 x 64 tokens
 of SmolLM2's 49152-token vocabulary are 250 MB).
 
@@ -43,7 +48,6 @@ actually had.
 from __future__ import annotations
 
 import gc
-import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,10 +63,21 @@ from actors.executor import LocalExecutor
 from actors.model_runner import ModelRunner
 from apps.llm import LLM
 from cli.bench.accuracy_divergence import divergences, margin_quantiles
+from cli.bench.accuracy_forced import (
+    HELDOUT_PATH,
+    HELDOUT_WINDOW,
+    HeldoutScore,
+    heldout_windows,
+    kl_per_position,
+    perplexity_ratio,
+    read_heldout,
+    score_heldout,
+    teacher_forced_logits,
+    top1_matches,
+)
 from cli.bench.offline import batch1
 from cli.bench.spec import OFFLINE_ENGINE_DEFAULTS, WARMUP_REQUESTS, Pass, measure
 from cli.bench.workload import is_chat, read_workload, workload_prompt_ids
-from kvcache.attention_backend import StepLayout
 from scheduling.errors import InvalidParameterError
 from scheduling.json_object import parse_json_object
 from scheduling.sampling_params import SamplingParams
@@ -75,6 +90,8 @@ class Settings:
     kv_budget_bytes: int
     batch1_tokens: int
     progress: bool
+    heldout_text: str
+    heldout_window: int
 
 
 def parse_options(value: str | dict[str, Any] | None, param: str) -> dict[str, Any]:
@@ -127,28 +144,6 @@ def _runner(llm: LLM) -> ModelRunner:
     return executor.runner
 
 
-@torch.inference_mode()
-def teacher_forced_logits(runner: ModelRunner, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Float32 logits (len(output), vocab) on the CPU: row i is the distribution that predicts output[i].
-
-    One prefill of ``prompt + output[:-1]`` (the last output token predicts
-    nothing we compare) into pool pages 0.. of ``runner``. It overwrites
-    whatever those pages held, so the caller runs it only on an engine with
-    no live request and never generates on that engine again (the prefix
-    cache may index these pages): ``_teacher_forced`` checks the first,
-    ``run`` shuts the engine down right after.
-    """
-    assert output, "every greedy request emits at least one token (max_tokens >= 1)"
-    tokens = prompt + output[:-1]
-    num_pages = -(-len(tokens) // runner.config.page_size)
-    assert num_pages <= runner.capacity.num_pages, (num_pages, runner.capacity.num_pages)
-    dev = runner.device
-    runner.attn.plan(StepLayout([len(tokens)], [len(tokens)], [list(range(num_pages))]))
-    hidden = runner.model(torch.tensor(tokens, dtype=torch.long, device=dev),
-                          torch.arange(len(tokens), dtype=torch.long, device=dev), runner.attn)
-    return runner.model.compute_logits(hidden[len(prompt) - 1:]).cpu()
-
-
 def _teacher_forced(llm: LLM, label: str, prompts: list[list[int]], outputs: list[list[int]],
                     progress: bool) -> Iterator[torch.Tensor]:
     """Each request's teacher-forced logits along ``outputs``, in order (see ``teacher_forced_logits``)."""
@@ -158,19 +153,6 @@ def _teacher_forced(llm: LLM, label: str, prompts: list[list[int]], outputs: lis
     for prompt, output in tqdm(list(zip(prompts, outputs, strict=True)), desc=f"{label} teacher-forced",
                                unit="req", disable=not progress):
         yield teacher_forced_logits(runner, prompt, output)
-
-
-def kl_per_position(base_logits: torch.Tensor, against_logits: torch.Tensor) -> torch.Tensor:
-    """KL(base || against) of each row's softmax, in float64: shape (rows,)."""
-    if base_logits.shape != against_logits.shape:
-        raise InvalidParameterError(
-            "against", f"logits of shape {tuple(against_logits.shape)}, the base's are {tuple(base_logits.shape)} "
-            "(a model with another vocabulary cannot be compared)")
-    lp = torch.log_softmax(base_logits.double(), dim=-1)
-    lq = torch.log_softmax(against_logits.double(), dim=-1)
-    p = lp.exp()
-    # Rows where base gives a token zero probability contribute 0 (0 * log 0 / q), not NaN.
-    return torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(dim=-1)
 
 
 def _say(progress: bool, message: str) -> None:
@@ -212,34 +194,54 @@ def _ratio(num: float | int | None, den: float | int | None) -> float | None:
     return None if num is None or not den else round(num / den, 4)
 
 
+@dataclass(frozen=True, slots=True)
+class _Side:
+    """What one engine's run leaves for the comparison."""
+
+    measured: Pass
+    figures: dict[str, Any]
+    heldout: HeldoutScore
+
+
+def _heldout(llm: LLM, label: str, windows: list[list[int]], progress: bool) -> HeldoutScore:
+    _say(progress, f"{label}: held-out text, {sum(len(w) - 1 for w in windows)} tokens in {len(windows)} windows")
+    return score_heldout(_runner(llm), windows)
+
+
 def _run_base(options: dict[str, Any], reqs: list[dict[str, Any]], params: list[SamplingParams], settings: Settings
-              ) -> tuple[list[list[int]], Pass, dict[str, Any], list[torch.Tensor]]:
-    """The base engine: the prompts' ids (its tokenizer), its pass, figures and teacher-forced logits."""
+              ) -> tuple[list[list[int]], list[list[int]], _Side, list[torch.Tensor]]:
+    """The base engine: the prompts' and held-out windows' ids (its tokenizer), its run and teacher-forced logits."""
     with _engine(options) as llm:
         prompts = workload_prompt_ids(reqs, llm.tokenizer)
+        windows = heldout_windows(llm.tokenizer, settings.heldout_text, settings.heldout_window)
         measured, figures = _engine_figures(llm, "base", prompts, params, settings)
         logits = list(_teacher_forced(llm, "base", prompts, measured.token_ids, settings.progress))
-    return prompts, measured, figures, logits
+        heldout = _heldout(llm, "base", windows, settings.progress)
+    return prompts, windows, _Side(measured, figures, heldout), logits
 
 
-def _run_against(options: dict[str, Any], prompts: list[list[int]], params: list[SamplingParams],
-                 outputs: list[list[int]], base_logits: list[torch.Tensor], settings: Settings
-                 ) -> tuple[Pass, dict[str, Any], torch.Tensor]:
-    """The against engine: its pass, figures, and the KL to ``base_logits`` at each base output position."""
+def _run_against(options: dict[str, Any], prompts: list[list[int]], windows: list[list[int]],
+                 params: list[SamplingParams], outputs: list[list[int]], base_logits: list[torch.Tensor],
+                 settings: Settings) -> tuple[_Side, torch.Tensor, torch.Tensor]:
+    """The against engine: its run, then per base output position the KL to ``base_logits`` and top-1 match."""
+    kl, same = [], []
     with _engine(options) as llm:
         measured, figures = _engine_figures(llm, "against", prompts, params, settings)
-        forced = _teacher_forced(llm, "against", prompts, outputs, settings.progress)
-        kl = torch.cat([kl_per_position(b, a) for b, a in zip(base_logits, forced, strict=True)])
-    return measured, figures, kl
+        for b, a in zip(base_logits, _teacher_forced(llm, "against", prompts, outputs, settings.progress),
+                        strict=True):
+            kl.append(kl_per_position(b, a))
+            same.append(top1_matches(b, a))
+        heldout = _heldout(llm, "against", windows, settings.progress)
+    return _Side(measured, figures, heldout), torch.cat(kl), torch.cat(same)
 
 
 def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base: str | dict[str, Any] | None = None,
         kv_budget_mib: int, batch1_tokens: int = 64, progress: bool = False, max_tokens: int | None = None,
-        **flags: Any) -> dict[str, Any]:
+        heldout: str | Path = HELDOUT_PATH, **flags: Any) -> dict[str, Any]:
     """Run ``workload`` on the base and the against engine; returns the JSON-ready result.
 
     ``flags`` are engine options given on the command line (module docstring: the merge order).
-    ``max_tokens`` caps every request's own.
+    ``max_tokens`` caps every request's own; ``heldout`` is the text of ``perplexity_ratio``.
     """
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise InvalidParameterError("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
@@ -252,14 +254,19 @@ def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base
     cap = max_tokens or max(r["max_tokens"] for r in reqs)
     params = [SamplingParams(max_tokens=min(r["max_tokens"], cap), temperature=0.0, ignore_eos=not is_chat(r))
               for r in reqs]
-    settings = Settings(kv_budget_mib * 2**20, batch1_tokens, progress)
+    # One window size for both engines, so both score the same tokens.
+    window = min(HELDOUT_WINDOW, *(_validated(o, p).max_model_len for o, p in ((base_opts, "base"),
+                                                                                 (against_opts, "against"))))
+    settings = Settings(kv_budget_mib * 2**20, batch1_tokens, progress, read_heldout(heldout), window)
 
-    prompts, base_pass, base_figs, base_logits = _run_base(base_opts, reqs, params, settings)
+    prompts, windows, base_side, base_logits = _run_base(base_opts, reqs, params, settings)
+    base_pass, base_figs = base_side.measured, base_side.figures
     # The base engine went with _run_base's frame; collect any cycle so its memory is back first.
     gc.collect()
     torch.cuda.empty_cache()  # a no-op unless CUDA was initialised
-    against_pass, against_figs, kl = _run_against(against_opts, prompts, params, base_pass.token_ids, base_logits,
-                                                  settings)
+    against_side, kl, top1 = _run_against(against_opts, prompts, windows, params, base_pass.token_ids, base_logits,
+                                          settings)
+    against_pass, against_figs = against_side.measured, against_side.figures
     same = sum(a == b for a, b in zip(base_pass.token_ids, against_pass.token_ids, strict=True))
     parted = divergences(base_pass.token_ids, against_pass.token_ids, base_logits)
     return {
@@ -275,6 +282,17 @@ def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base
         "greedy_agreement": round(same / len(reqs), 4),
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
+        "token_top1_agreement": round(float(top1.double().mean()), 4),
+        "perplexity_ratio": perplexity_ratio(base_side.heldout, against_side.heldout),
+        "heldout": {
+            "path": str(heldout),
+            "tokens": int(base_side.heldout.nll.numel()),
+            "window": window,
+            "base_perplexity": base_side.heldout.perplexity,
+            "against_perplexity": against_side.heldout.perplexity,
+            "top1_agreement": round(float((base_side.heldout.argmax == against_side.heldout.argmax).double().mean()),
+                                    4),
+        },
         "divergences": parted,
         "base_min_margin_quantiles": margin_quantiles(base_logits),
         "kv_pages_ratio": _ratio(against_figs["kv_pages"], base_figs["kv_pages"]),
@@ -284,29 +302,3 @@ def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base
         "against": against_figs,
     }
 
-
-def format_table(result: dict[str, Any]) -> str:
-    """A short table for a person (``--json`` prints the whole result instead)."""
-    r, b, a = result, result["base"], result["against"]
-    changed = {k: v for k, v in r["against_config"].items() if r["base_config"].get(k, object()) != v}
-
-    def row(name: str, key: str, fmt: str) -> str:
-        cells = [format(x[key], fmt) if x[key] is not None else "-" for x in (b, a)]
-        return f"{name:22}{cells[0]:>14}{cells[1]:>14}"
-
-    return "\n".join([
-        f"{r['model']} on {r['workload']}: {r['requests']} requests, {r['output_tokens']} base output tokens; "
-        f"against {json.dumps(changed)}",
-        f"{'':22}{'base':>14}{'against':>14}",
-        row("output tok/s", "output_tok_per_s", ".1f"),
-        row("batch-1 decode tok/s", "decode_tok_per_s", ".1f"),
-        row("KV bytes per page", "kv_bytes_per_page", "d"),
-        row(f"KV pages in {r['kv_budget_mib']} MiB", "kv_pages", "d"),
-        row("weight bytes", "weight_bytes", "d"),
-        f"greedy_agreement {r['greedy_agreement']:.3f}   mean_kl {r['mean_kl']:.3e}   max_kl {r['max_kl']:.3e}"
-        f"   (over {r['output_tokens']} positions)",
-        f"outputs part at base top-2 gaps {sorted(d['base_margin'] for d in r['divergences'] if d['base_margin'] is not None)}"
-        f"; smallest gap per request {r['base_min_margin_quantiles']}",
-        f"kv_pages_ratio {r['kv_pages_ratio']}   decode_speedup {r['decode_speedup']}"
-        f"   output_tok_per_s_ratio {r['output_tok_per_s_ratio']}",
-    ])

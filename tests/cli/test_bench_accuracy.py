@@ -12,13 +12,9 @@ import torch
 
 from actors.executor import LocalExecutor
 from apps.llm import LLM
-from cli.bench.accuracy import (
-    engine_options,
-    format_table,
-    kl_per_position,
-    run,
-    teacher_forced_logits,
-)
+from cli.bench.accuracy import engine_options, run
+from cli.bench.accuracy_cli import format_table
+from cli.bench.accuracy_forced import kl_per_position, teacher_forced_logits
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
@@ -36,6 +32,14 @@ BUDGET_MIB = 8
 def workload(tmp_path: Path) -> Path:
     path = tmp_path / "w.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in WORKLOAD))
+    return path
+
+
+@pytest.fixture()
+def heldout(tmp_path: Path) -> Path:
+    """300 bytes of prose: 300 tokens of the tiny model's byte-level tokenizer, in windows of 128."""
+    path = tmp_path / "heldout.txt"
+    path.write_text(("It was the best of times, it was the worst of times, it was the age of wisdom. " * 4)[:300])
     return path
 
 
@@ -100,30 +104,36 @@ def test_teacher_forced_logits_predict_the_greedy_output(tiny_model_dir: Path) -
     assert logits.argmax(dim=-1).tolist() == output
 
 
-def test_an_identical_config_agrees_exactly(tiny_model_dir: Path, workload: Path) -> None:
+def test_an_identical_config_agrees_exactly(tiny_model_dir: Path, workload: Path, heldout: Path) -> None:
     # dtype auto is float32 on the CPU: the against engine is the base one, built again.
     out = run(str(tiny_model_dir), workload, against={"dtype": "float32"}, base={"max_num_seqs": 2},
-              kv_budget_mib=BUDGET_MIB, batch1_tokens=4, max_model_len=128)
+              kv_budget_mib=BUDGET_MIB, batch1_tokens=4, max_model_len=128, heldout=heldout)
     assert out["greedy_agreement"] == 1.0
     assert out["mean_kl"] == 0.0 and out["max_kl"] == 0.0
+    # The token-level figures of a config against itself; held-out windows of max_model_len (128, 128, 44).
+    assert out["token_top1_agreement"] == 1.0 and out["perplexity_ratio"] == 1.0
+    assert (out["heldout"]["window"], out["heldout"]["tokens"]) == (128, 300 - 3)
+    assert out["heldout"]["base_perplexity"] == out["heldout"]["against_perplexity"] > 1.0
+    assert out["heldout"]["top1_agreement"] == 1.0
     assert out["kv_pages_ratio"] == 1.0
     assert out["base"]["kv_bytes_per_page"] == out["against"]["kv_bytes_per_page"]
     assert out["against_config"] == {**out["base_config"], "dtype": "float32"}
     assert out["base_config"]["max_num_seqs"] == 2
 
 
-def test_bfloat16_against_float32_from_the_command_line(tiny_model_dir: Path, workload: Path,
+def test_bfloat16_against_float32_from_the_command_line(tiny_model_dir: Path, workload: Path, heldout: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "accuracy", "--model", str(tiny_model_dir), "--workload", str(workload),
                  "--against", '{"dtype": "bfloat16"}', "--base", '{"dtype": "float32"}', "--max-model-len", "128",
                  "--max-num-seqs", "4", "--kv-budget-mib", str(BUDGET_MIB), "--batch1-tokens", "4",
-                 "--no-progress", "--json"]) == 0
+                 "--heldout", str(heldout), "--no-progress", "--json"]) == 0
     out: dict[str, Any] = json.loads(capsys.readouterr().out)
     base, against = out["base"], out["against"]
     assert (out["requests"], out["kv_budget_mib"]) == (3, BUDGET_MIB)
     assert out["output_tokens"] == base["output_tokens"] >= 6  # the id line ignores EOS
     assert out["prompt_tokens"] > 8
     assert 0.0 < out["mean_kl"] <= out["max_kl"] < 0.1  # bf16 rounding: small, never zero
+    assert out["perplexity_ratio"] != 1.0 and 0.0 <= out["token_top1_agreement"] <= 1.0
     assert 0.0 <= out["greedy_agreement"] <= 1.0
     # float32 pages are twice bfloat16's; both counted in the same fixed budget.
     assert base["kv_bytes_per_page"] == 2 * against["kv_bytes_per_page"]

@@ -57,8 +57,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self._seqs: dict[str, _Sequence] = {}  # scheduler request id -> state
         self._groups: dict[str, list[str]] = {}  # client request id -> scheduler ids
-        # The batch whose execute() raised, until fail_step/fail_all settles it:
-        # its scheduler bookkeeping is still open and its requests' state unknown.
+        # The batch whose step failed between schedule() and the scheduler's update (its token
+        # masks, the forward, or finish_step before the update), until fail_step/fail_all settles
+        # it: its scheduler bookkeeping is still open and its requests' state unknown.
         self._failed_batch: Batch | None = None
         # Seconds spent in executor.execute, summed over steps (the forward as the engine waits for it:
         # with shards on other actors, their round trip too). Per step against engine steps, it shows
@@ -160,12 +161,14 @@ class LLMEngine:
         return self._end_group(request_id, "abort", None)
 
     def fail_step(self, message: str) -> list[SequenceDelta]:
-        """After ``step()`` raised from the executor: end the failed step's requests.
+        """After a step failed (``has_failed_step``): end the failed step's requests.
 
         The requests running in that step end with finish_reason "error" and
         ``message``; their pages are freed (the computed ones stay in the
-        prefix cache, whose KV the failed forward did not touch). Waiting
-        requests are untouched, so the engine keeps serving them.
+        prefix cache, whose KV the failed forward did not touch; KV the step
+        was to import is not cached). Waiting requests are untouched, so the
+        engine keeps serving them. If the step's bookkeeping cannot be
+        settled, ``can_schedule`` stays False (the caller reports it).
         """
         batch, self._failed_batch = self._failed_batch, None
         if batch is None:
@@ -176,7 +179,7 @@ class LLMEngine:
             if r.request_id in self._seqs  # not aborted while the step ran
         )
         deltas = [d for rid in groups for d in self._end_group(rid, "error", message)]
-        self._close(batch)
+        self._settle(batch)
         return deltas
 
     def fail_all(self, message: str, *, kv_lost: bool = False) -> list[SequenceDelta]:
@@ -189,7 +192,7 @@ class LLMEngine:
         deltas = [d for rid in list(self._groups) for d in self._end_group(rid, "error", message)]
         batch, self._failed_batch = self._failed_batch, None
         if batch is not None:
-            self._close(batch)
+            self._settle(batch)
         if kv_lost and self.scheduler.cache is not None:
             self.scheduler.cache.reset()
         return deltas
@@ -208,19 +211,32 @@ class LLMEngine:
                 ))
         return deltas
 
-    def _close(self, batch: Batch) -> None:
+    def _settle(self, batch: Batch) -> None:
         """Settle a failed step's scheduler bookkeeping once its requests are aborted.
 
         ``Scheduler.update`` skips requests that are no longer running, so a
-        placeholder output only drops the step's in-flight record.
+        placeholder output only drops the step's in-flight record. Its
+        requests are ended (their deltas made) before this runs; should it
+        fail, the batch is kept to settle on the next ``fail_*`` and
+        ``can_schedule`` says the engine cannot plan meanwhile.
         """
         n = len(batch.sample_indices)
-        self.scheduler.update(batch, StepOutput([0] * n, [None] * n))
+        try:
+            self.scheduler.update(batch, StepOutput([0] * n, [None] * n))
+        except Exception:
+            logger.exception("the failed step %d could not be settled; the engine cannot plan another", batch.step)
+            self._failed_batch = batch
 
     @property
     def has_failed_step(self) -> bool:
-        """True after ``step()`` raised from the executor, until ``fail_step``/``fail_all``."""
+        """True after a step failed between ``schedule()`` and its update, until ``fail_step``/``fail_all``."""
         return self._failed_batch is not None
+
+    @property
+    def can_schedule(self) -> bool:
+        """False while a step's bookkeeping is open: between ``schedule()`` and ``finish_step``/``fail_*``,
+        or for good if a failed step could not be settled."""
+        return not self.scheduler.has_step_in_flight
 
     @property
     def has_unfinished(self) -> bool:
@@ -248,8 +264,15 @@ class LLMEngine:
             return batch
         start = time.perf_counter()
         reqs = self.scheduler.requests_in_step(batch.step)
-        masks = self.grammar_states.masks(batch, [reqs[i].request_id for i in batch.sample_indices])
-        self.grammar_seconds_total += time.perf_counter() - start
+        try:
+            masks = self.grammar_states.masks(batch, [reqs[i].request_id for i in batch.sample_indices])
+        except BaseException:
+            # The step is planned (pages given, in flight) but will not run: the caller settles it
+            # with fail_step() or fail_all(), as a failed forward.
+            self._failed_batch = batch
+            raise
+        finally:
+            self.grammar_seconds_total += time.perf_counter() - start
         return batch if masks is None else replace(batch, token_masks=masks)
 
     def execute(self, batch: Batch) -> StepOutput:
@@ -269,8 +292,13 @@ class LLMEngine:
 
         Requests aborted while the step ran are skipped (the scheduler drops them).
         """
-        collect_exports(self, batch, output)  # before update: it ends the prefill-only requests
-        update = self.scheduler.update(batch, output)
+        try:
+            collect_exports(self, batch, output)  # before update: it ends the prefill-only requests
+            update = self.scheduler.update(batch, output)
+        except BaseException:
+            if self.scheduler.is_in_flight(batch.step):  # failed before update took it: fail_* settles it
+                self._failed_batch = batch
+            raise
         deltas: list[SequenceDelta] = []
         refused: list[str] = []
         for req, tokens, row, text in update.sampled:

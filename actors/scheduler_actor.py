@@ -22,8 +22,13 @@ them (see ``actors.step_messages``).
 Faults: ``ExecutorFailure`` from a step ends every unfinished request with
 finish_reason "error", frees every page (the prefix cache too: the KV pool
 died with the shards), reports not-ok health while ``executor.restart()``
-runs, then serves again. Any other exception from the executor fails only
-that step's requests.
+runs, then serves again. Any other exception from the executor, or from
+building the step's token masks, fails only that step's requests. A failure
+that leaves a step's bookkeeping unsettled (the engine cannot plan another
+step) ends every request, turns health not ok for good (the replica is to be
+replaced) and ends each request that arrives after with an error. Every pass
+of the loop yields to the event loop, so no failure can starve ``submit``,
+``abort`` or ``health``.
 """
 
 from __future__ import annotations
@@ -237,11 +242,16 @@ class SchedulerService:
         while not self._closed:
             try:
                 await self._iterate(loop)
-            except Exception:
+            except Exception as exc:
                 # A bug outside the executor: end every request rather than hang them.
                 logger.exception("step loop error; failing every request")
                 async with self._lock:
-                    self._publish(self._engine.fail_all("internal engine error (see the replica log)"))
+                    self._publish(self._engine.fail_all(
+                        f"internal engine error: {type(exc).__name__}: {exc} (see the replica log)"))
+                    self._check_can_schedule()
+            # An uncontended asyncio.Lock does not yield: a pass that fails at once, again and
+            # again, would otherwise hold the event loop and starve submit, abort and health.
+            await asyncio.sleep(0)
 
     async def _iterate(self, loop: asyncio.AbstractEventLoop) -> None:
         """One pass: restart if needed, else one step, else sleep until woken."""
@@ -250,7 +260,20 @@ class SchedulerService:
             return
         async with self._lock:
             self._reap_consumers()
-            batch = self._engine.schedule()
+            if not self._engine.can_schedule:
+                # Wedged: what arrived since ends at once, saying why, then wait for more.
+                self._check_can_schedule()
+                self._publish(self._engine.fail_all(self._health.message))
+                batch = None
+            else:
+                try:
+                    batch = self._engine.schedule()
+                except Exception as exc:
+                    if not self._engine.has_failed_step:
+                        raise  # not a planned step: _run ends every request
+                    # Planned but it cannot run (its token masks failed): end its requests.
+                    self._publish(self._fail(exc))
+                    return
             if batch is None:
                 self._wake.clear()
         if batch is None:
@@ -274,10 +297,19 @@ class SchedulerService:
         except Exception as exc:
             # Not the executor: the engine's own state is suspect, so end everything.
             logger.exception("engine step failed")
-            return self._engine.fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
+            deltas = self._engine.fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
+            self._check_can_schedule()
+            return deltas
+
+    def _check_can_schedule(self) -> None:
+        """After a failure is handled: if the engine still cannot plan a step, health goes not ok for good."""
+        if not self._engine.can_schedule and self._health.ok:
+            logger.error("a failed step could not be settled: the engine cannot plan another step")
+            self._health = HealthStatus(False, "a failed step could not be settled: the engine cannot plan "
+                                               "another step; this replica must be replaced")
 
     def _fail(self, exc: Exception) -> list[SequenceDelta]:
-        """Turn an executor error into "error" deltas; ``ExecutorFailure`` also schedules a restart."""
+        """Turn a failed step's error into "error" deltas; ``ExecutorFailure`` also schedules a restart."""
         if isinstance(exc, ExecutorFailure):
             logger.error("executor failed: %s; failing every request and restarting", exc)
             self._restart_reason = str(exc)
@@ -286,8 +318,10 @@ class SchedulerService:
                 f"the model executor failed ({exc}); the request was ended and the executor is restarting",
                 kv_lost=True,
             )
-        logger.error("step failed in the executor: %r; failing that step's requests", exc)
-        return self._engine.fail_step(f"the engine step failed: {type(exc).__name__}: {exc}")
+        logger.error("step failed: %r; failing that step's requests", exc)
+        deltas = self._engine.fail_step(f"the engine step failed: {type(exc).__name__}: {exc}")
+        self._check_can_schedule()
+        return deltas
 
     async def _restart(self, loop: asyncio.AbstractEventLoop) -> None:
         """Rebuild the executor with health not-ok; a failed restart is retried on the next submit."""
@@ -305,6 +339,8 @@ class SchedulerService:
             return
         self._restart_reason = None
         self._health = HealthStatus(True, "ok")
+        async with self._lock:
+            self._check_can_schedule()  # a new executor does not settle the engine's own bookkeeping
         logger.info("executor restarted")
 
     def _reap_consumers(self) -> None:

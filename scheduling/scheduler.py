@@ -136,6 +136,15 @@ class Scheduler:
         """The requests a step still in flight was planned for (empty once updated)."""
         return [entry[0] for entry in self._in_flight.get(step, ())]
 
+    def is_in_flight(self, step: int) -> bool:
+        """Whether ``step`` was planned and not yet settled by ``update``."""
+        return step in self._in_flight
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """True between ``schedule()`` and the ``update`` of its batch: ``schedule()`` may not run."""
+        return bool(self._in_flight)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -186,10 +195,13 @@ class Scheduler:
             self._reserve_speculation(spec, scheduled, speculating)
         if not scheduled:
             return None
+        batch, exports = build_batch(self._step + 1, scheduled), kv_exports(scheduled, self.kv)
+        if imports or exports:
+            batch = replace(batch, kv_imports=imports or None, kv_exports=exports or None)
+        # In flight only once the batch exists: a step recorded without one could never be settled.
         self._step += 1
         self._in_flight[self._step] = scheduled
-        batch, exports = build_batch(self._step, scheduled), kv_exports(scheduled, self.kv)
-        return replace(batch, kv_imports=imports or None, kv_exports=exports or None) if imports or exports else batch
+        return batch
 
     def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None,
                imports: list[tuple[list[int], tuple[Any, ...]]], speculating: list[tuple[int, list[int]]]) -> int:

@@ -65,13 +65,20 @@ def start_prefill(engine: LLMEngine, request_id: str, prompt_ids: list[int], par
 
 
 def collect_exports(engine: LLMEngine, batch: Batch, output: StepOutput) -> None:
-    """Keep the KV that ``batch`` exported, by request id, until ``take_export``."""
+    """Keep the KV that ``batch`` exported, by request id, until the prefill's caller takes it.
+
+    Only for requests still live: one aborted while the step ran (its caller
+    cancelled, and took nothing) would leave its prompt's KV here for good.
+    """
     if batch.kv_exports is None:
         return
     assert output.kv_exports is not None and len(output.kv_exports) == len(batch.kv_exports)
     reqs = engine.scheduler.requests_in_step(batch.step)
+    live = engine.scheduler.requests
     for (j, _), payloads in zip(batch.kv_exports, output.kv_exports, strict=True):
-        engine.exported[reqs[batch.sample_indices[j]].request_id] = tuple(payloads)
+        req = reqs[batch.sample_indices[j]]
+        if live.get(req.request_id) is req:
+            engine.exported[req.request_id] = tuple(payloads)
 
 
 def add_prefilled(

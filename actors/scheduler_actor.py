@@ -157,7 +157,7 @@ class SchedulerService:
             return await fut
         except BaseException:
             self._router.forget_waiter(request_id)
-            if not fut.done():  # the caller cancelled: free its pages
+            if _unfinished(fut):  # the caller cancelled: free its pages
                 await self.abort(request_id)
             raise
 
@@ -176,7 +176,7 @@ class SchedulerService:
             done = await fut
         except BaseException:
             self._router.forget_waiter(request_id)
-            if not fut.done():
+            if _unfinished(fut):  # the caller cancelled: free its pages, export nothing for it
                 await self.abort(request_id)
             raise
         finally:
@@ -379,6 +379,15 @@ class SchedulerService:
         self._closed = True
         self._thread.shutdown(wait=False, cancel_futures=True)
         self._engine.shutdown()
+
+
+def _unfinished(fut: asyncio.Future[RequestOutput]) -> bool:
+    """Whether the request ``fut`` waits for may still be running.
+
+    Cancelling the task that awaits ``fut`` cancels ``fut`` too, so a
+    cancelled ``fut`` means the caller left, not that the request ended.
+    """
+    return not fut.done() or fut.cancelled()
 
 
 # max_concurrency bounds concurrent coroutines: many consumers long-poll at once.

@@ -13,6 +13,7 @@ from typing import Any
 
 from actors.engine_config import EngineConfig
 from kvcache.kv_pool import KVCapacity
+from kvcache.kv_transfer import KVLayout
 from scheduling.batch import Batch, StepOutput
 
 
@@ -20,6 +21,7 @@ class Executor(ABC):
     """Runs steps; reports the KV capacity the scheduler may hand out."""
 
     capacity: KVCapacity
+    kv_layout: KVLayout  # what its pool's pages hold: the engine checks a prefilled request's KV against it
     model_path: Path
     vocab_size: int
 
@@ -48,6 +50,7 @@ class LocalExecutor(Executor):
 
         self.runner = ModelRunner(config)
         self.capacity = self.runner.capacity
+        self.kv_layout = KVLayout.of(self.runner.pool)
         self.model_path = self.runner.model_path
         self.vocab_size = self.runner.vocab_size
 

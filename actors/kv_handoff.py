@@ -9,7 +9,9 @@ then end like any request's: their KV stays in the prefix cache.
 Decode replica: ``add_prefilled`` starts a request from a ``PrefillResult``:
 its first token goes through the request's own stop rule (it may end the
 request at once), and its prompt KV is written into fresh pages by the step
-that admits it (``scheduling.kv_handoff``).
+that admits it (``scheduling.kv_handoff``). Every field of the payload is
+checked against this engine's pool first, so a mismatch is refused by name
+before any page is given.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from actors.detokenizer import IncrementalDetokenizer
-from actors.engine_config import EngineConfig
 from actors.outputs import SequenceDelta, SequenceTiming
-from kvcache.kv_transfer import KVPayload
+from kvcache.kv_transfer import KVPayload, KVPayloadMismatchError, check_layout
 from scheduling.batch import Batch, StepOutput, TokenLogprobs
 from scheduling.errors import InvalidParameterError
 from scheduling.request import Request
@@ -87,7 +88,7 @@ def add_prefilled(
 ) -> list[SequenceDelta]:
     """Start ``result``'s request here; returns the delta of its first token (final if that token ends it)."""
     check_remote_prefill(params)
-    _check_kv(engine.config, result.kv)
+    _check_kv(engine, result.kv, len(prompt_ids))
     rid = result.request_id
     stop = StopRule(params, engine.eos_token_id, IncrementalDetokenizer(engine.tokenizer, prompt_ids))
     req = Request(rid, prompt_ids, params, namespace=namespace, stop_rule=stop, arrival_time=arrival_time)
@@ -105,20 +106,24 @@ def add_prefilled(
                           None, timing)]
 
 
-def _check_kv(config: EngineConfig, kv: tuple[Any, ...]) -> None:
+def _check_kv(engine: LLMEngine, kv: tuple[KVPayload, ...], num_prompt_tokens: int) -> None:
     """Refuse KV this engine's pool cannot take here, before any page is given for it.
 
-    The runner checks every field again as it writes (``kvcache.kv_transfer``);
-    caught there, a mismatch would fail a whole step (with shards on Ray, the
-    shard group), so what the engine knows is checked first.
+    Every field the runner checks as it writes (``kvcache.kv_transfer``) is
+    checked here first: caught there, a mismatch would fail a whole step
+    (with shards on Ray, the shard group) after pages were given for it.
     """
+    config = engine.config
     if len(kv) != config.tensor_parallel_size:
         raise InvalidParameterError("tensor_parallel_size", f"the KV comes from {len(kv)} ranks, this engine has "
                                                             f"{config.tensor_parallel_size}: both pools need the same")
-    first: KVPayload = kv[0]
-    if first.kv_dtype != config.kv_cache_dtype:
-        raise InvalidParameterError("kv_cache_dtype", f"the KV pages were stored as {first.kv_dtype!r}, this engine "
-                                                      f"stores {config.kv_cache_dtype!r}: both pools need the same")
-    if first.page_shape[0] != config.page_size:
-        raise InvalidParameterError("page_size", f"the KV pages hold {first.page_shape[0]} tokens, this engine's "
-                                                 f"{config.page_size}: both pools need the same")
+    layout = engine.executor.kv_layout
+    num_pages = -(-num_prompt_tokens // layout.page_size)
+    for payload in kv:
+        try:
+            check_layout(layout, payload)
+        except KVPayloadMismatchError as err:
+            raise InvalidParameterError(err.param, err.message) from None
+        if payload.num_pages != num_pages:
+            raise InvalidParameterError("prompt", f"the KV holds {payload.num_pages} pages, the prompt of "
+                                                  f"{num_prompt_tokens} tokens fills {num_pages}")

@@ -83,6 +83,7 @@ class RayExecutor(Executor):
         self._start(config)
         first = self.shard_infos[0]
         self.capacity = first.capacity
+        self.kv_layout = first.kv_layout
         self.model_path = first.model_path
         self.vocab_size = first.vocab_size
 

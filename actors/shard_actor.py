@@ -38,6 +38,7 @@ from actors.engine_config import EngineConfig
 from actors.model_runner import ModelRunner
 from actors.step_channel import ChannelAddress, StepServer
 from kvcache.kv_pool import KVCapacity
+from kvcache.kv_transfer import KVLayout
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
@@ -68,6 +69,7 @@ class ShardInfo:
     node_id: str
     pid: int
     capacity: KVCapacity
+    kv_layout: KVLayout
     model_path: Path
     vocab_size: int
 
@@ -106,7 +108,7 @@ class ModelShardActor:
         self._runner = runner
         self._info = ShardInfo(
             rank=self.rank, world_size=self.world_size, node_id=_node_id(), pid=os.getpid(),
-            capacity=runner.capacity, model_path=runner.model_path, vocab_size=runner.vocab_size,
+            capacity=runner.capacity, kv_layout=KVLayout.of(runner.pool), model_path=runner.model_path, vocab_size=runner.vocab_size,
         )
         return self._info
 

@@ -149,44 +149,78 @@ def _rebuild(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What every page of a pool holds: what a payload must agree with to be written into it.
+
+    An executor reports its pool's (``KVLayout.of``; every tensor-parallel rank's pool has the
+    same shape), so the engine refuses a payload before it gives it a page, naming the field.
+    """
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int  # per tensor-parallel rank
+    head_dim: int
+    kv_dtype: str  # canonical kv_cache_dtype
+    dtype: str  # the model dtype's name
+    storage_dtype: str  # what the pages are stored as (``kv_dtype``'s, or ``dtype`` for ``auto``)
+
+    @classmethod
+    def of(cls, pool: KVPool) -> KVLayout:
+        return cls(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.kv_dtype,
+                   dtype_name(pool.dtype), dtype_name(pool.cache_dtype))
+
+
+def check_layout(layout: KVLayout, payload: KVPayload) -> None:
+    """Raise ``KVPayloadMismatchError`` naming the first field in which ``payload`` differs from ``layout``.
+
+    ``param`` is the engine setting both replicas must share; the message names the field and both values.
+    """
+    if payload.kv_dtype != layout.kv_dtype:
+        raise KVPayloadMismatchError(
+            "kv_cache_dtype",
+            f"the KV pages were stored as {payload.kv_dtype!r} but this pool stores {layout.kv_dtype!r}: "
+            f"both replicas need the same kv_cache_dtype",
+        )
+    if payload.dtype != layout.dtype:
+        raise KVPayloadMismatchError(
+            "dtype", f"the KV pages come from a {payload.dtype} model, this pool holds {layout.dtype}: "
+            f"both replicas need the same dtype",
+        )
+    if dtype_name(payload.storage_dtype) != layout.storage_dtype:
+        raise KVPayloadMismatchError(
+            "dtype", f"the KV pages are stored as {dtype_name(payload.storage_dtype)}, "
+            f"this pool as {layout.storage_dtype}",
+        )
+    page_size, heads, head_dim = payload.page_shape
+    if page_size != layout.page_size:
+        raise KVPayloadMismatchError(
+            "page_size", f"the KV pages hold {page_size} tokens each, this pool's {layout.page_size}: "
+            f"both replicas need the same page_size",
+        )
+    if payload.num_layers != layout.num_layers:
+        raise KVPayloadMismatchError(
+            "model", f"the KV pages have {payload.num_layers} layers (num_layers), this pool "
+            f"{layout.num_layers}: both replicas need the same model",
+        )
+    if head_dim != layout.head_dim:
+        raise KVPayloadMismatchError(
+            "model", f"the KV pages have head_dim {head_dim}, this pool {layout.head_dim}: "
+            f"both replicas need the same model",
+        )
+    if heads != layout.num_kv_heads:
+        raise KVPayloadMismatchError(
+            "tensor_parallel_size", f"the KV pages hold {heads} kv heads per rank (num_kv_heads), this pool "
+            f"{layout.num_kv_heads}: both replicas need the same model and tensor_parallel_size",
+        )
+
+
 def check_payload(pool: KVPool, pages: list[int], payload: KVPayload) -> None:
     """Raise ``KVPayloadMismatchError`` naming the first way ``payload`` does not fit ``pool`` at ``pages``.
 
     Page ids themselves are range-checked by the pool.
     """
-    mine = dtype_name(pool.dtype)
-    if payload.kv_dtype != pool.kv_dtype:
-        raise KVPayloadMismatchError(
-            "kv_cache_dtype",
-            f"the KV pages were stored as {payload.kv_dtype!r} but this pool stores {pool.kv_dtype!r}: "
-            f"both replicas need the same kv_cache_dtype",
-        )
-    if payload.dtype != mine:
-        raise KVPayloadMismatchError(
-            "dtype", f"the KV pages come from a {payload.dtype} model, this pool holds {mine}: "
-            f"both replicas need the same dtype",
-        )
-    if payload.storage_dtype != pool.cache_dtype:
-        raise KVPayloadMismatchError(
-            "dtype", f"the KV pages are stored as {dtype_name(payload.storage_dtype)}, "
-            f"this pool as {dtype_name(pool.cache_dtype)}",
-        )
-    page_size, heads, head_dim = payload.page_shape
-    if page_size != pool.page_size:
-        raise KVPayloadMismatchError(
-            "page_size", f"the KV pages hold {page_size} tokens each, this pool's {pool.page_size}: "
-            f"both replicas need the same page_size",
-        )
-    if payload.num_layers != pool.num_layers or head_dim != pool.head_dim:
-        raise KVPayloadMismatchError(
-            "model", f"the KV pages have {payload.num_layers} layers of head_dim {head_dim}, this pool "
-            f"{pool.num_layers} of {pool.head_dim}: both replicas need the same model",
-        )
-    if heads != pool.num_kv_heads:
-        raise KVPayloadMismatchError(
-            "tensor_parallel_size", f"the KV pages hold {heads} kv heads per rank, this pool "
-            f"{pool.num_kv_heads}: both replicas need the same model and tensor_parallel_size",
-        )
+    check_layout(KVLayout.of(pool), payload)
     if len(set(pages)) != len(pages):
         raise KVPayloadMismatchError("pages", f"page ids must be distinct, got {pages}")
     if payload.num_pages != len(pages):

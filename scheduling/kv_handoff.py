@@ -6,6 +6,13 @@ its first token; the step that samples it also copies its prompt pages out
 (``Request.kv_import``) is admitted with fresh pages for its prompt and that
 first token, the payload written into them before the step's forward
 (``Batch.kv_imports``): its one input is the first token, so it decodes at once.
+
+Its prompt counts as computed from the step that admits it (the batch is
+planned from ``num_computed_tokens``), but its KV is written only when that
+step runs: until the step is settled (``imports_written``) the request keeps
+``kv_import``, and a request released meanwhile (its step failed, or it was
+aborted) puts nothing into the prefix cache (``drop_unwritten``), which would
+otherwise hand never-written pages to every later request with that prefix.
 """
 
 from __future__ import annotations
@@ -33,13 +40,25 @@ def take_imported(kv: RequestPages, req: Request, imports: list[tuple[list[int],
     """Give ``req`` fresh pages for its prompt and first token and queue its payload; False if they do not fit.
 
     No prefix match: the pages are filled from the payload (they join the
-    prefix cache when the request ends, like any computed pages).
+    prefix cache when the request ends, like any computed pages, once the
+    step has written them: see the module docstring).
     """
     payload = req.kv_import
     assert payload is not None and not req.pages and req.num_computed_tokens == 0
     if not kv.may_fit(kv.pages_for(req.num_tokens)) or not kv.reserve(req, req.num_tokens):
         return False
     req.num_computed_tokens = req.num_tokens - 1
-    req.kv_import = None
     imports.append((req.pages[: kv.pages_for(req.num_prompt_tokens)], payload))
     return True
+
+
+def imports_written(scheduled: list[Scheduled]) -> None:
+    """The step that imported these requests' KV ran: their pages hold it now."""
+    for req, _, _, _, _ in scheduled:
+        req.kv_import = None
+
+
+def drop_unwritten(req: Request) -> None:
+    """Before ``req`` is released: if its imported KV was never written, none of its pages is computed."""
+    if req.kv_import is not None:
+        req.num_computed_tokens = 0

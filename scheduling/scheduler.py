@@ -33,7 +33,7 @@ from kvcache.radix_cache import PrefixMatch, RadixCache
 from scheduling.batch import Batch, StepOutput
 from scheduling.batch_builder import Scheduled, build_batch
 from scheduling.errors import InvalidParameterError
-from scheduling.kv_handoff import kv_exports, take_imported
+from scheduling.kv_handoff import drop_unwritten, imports_written, kv_exports, take_imported
 from scheduling.request import Request, RequestStatus
 from scheduling.request_pages import RequestPages
 from scheduling.scheduler_config import SchedulerConfig
@@ -127,7 +127,7 @@ class Scheduler:
                         siblings.remove(req)
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        self.kv.release(req)
+        self._release(req)
         req.finish_reason = "abort"
         req.set_status(RequestStatus.ABORTED)
         return req
@@ -300,6 +300,8 @@ class Scheduler:
     def update(self, batch: Batch, output: StepOutput) -> SchedulerUpdate:
         """Apply one step's sampled tokens; end the requests their ``StopRule`` stops."""
         scheduled = self._in_flight.pop(batch.step)
+        if batch.kv_imports:
+            imports_written(scheduled)
         now = time.monotonic()
         sampled: list[tuple[Request, list[int], int, str]] = []
         finished: list[Request] = []
@@ -365,14 +367,19 @@ class Scheduler:
             self.waiting.appendleft(child)
 
     # ---------------------------------------------------------------- release
+    def _release(self, req: Request) -> None:
+        """Give back ``req``'s pages; only KV a step has written goes into the prefix cache."""
+        drop_unwritten(req)
+        self.kv.release(req)
+
     def _end(self, req: Request, reason: str) -> None:
         self.requests.pop(req.request_id, None)
-        self.kv.release(req)
+        self._release(req)
         req.finish_reason = reason
         req.set_status(RequestStatus.FINISHED)
 
     def _preempt(self, req: Request) -> None:
-        self.kv.release(req)
+        self._release(req)
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         req.set_status(RequestStatus.PREEMPTED)

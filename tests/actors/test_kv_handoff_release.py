@@ -1,6 +1,8 @@
 """Prefill/decode disaggregation in process when a hand-over does not complete: nothing is left behind.
 
-A prefill cancelled while its KV is exported keeps no export.
+A prefill cancelled while its KV is exported keeps no export; an import that
+fails in its step puts nothing into the prefix cache; a payload that does not
+fit the pool is refused by name before any page.
 """
 
 from __future__ import annotations
@@ -9,17 +11,26 @@ import asyncio
 import functools
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from actors.engine_config import EngineConfig
 from actors.engine_stats import EngineStats
 from actors.kv_handoff import PrefillResult
 from actors.outputs import SequenceDelta
 from actors.scheduler_actor import SchedulerService
+from kvcache.kv_transfer import KVPayload
+from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import write_llama_with_tokenizer
-from tests.actors.step_faults import HeldExportExecutor
+from tests.actors.step_faults import (
+    IMPORT_ERROR,
+    FailingImportExecutor,
+    HeldExportExecutor,
+    first_pages,
+)
 from tests.actors.test_kv_handoff import ENGINE, GREEDY, PROMPTS, assert_all_free
 
 PROMPT = PROMPTS[-1]  # 102 tokens: chunked prefill, six full pages and a part
@@ -83,3 +94,88 @@ def test_a_prefill_cancelled_while_its_kv_is_exported_keeps_no_export(config: En
     assert again.kv_bytes > 0 and again.num_prompt_tokens == len(PROMPT)
     assert exported_after == {} and healthy
     assert_all_free(stats_after)
+
+
+def test_a_failed_import_caches_nothing_and_the_prompt_then_decodes_as_on_a_fresh_engine(
+    config: EngineConfig,
+) -> None:
+    async def scenario() -> tuple[SequenceDelta, int, EngineStats, list[int], list[int], list[EngineStats], bool]:
+        prefill, decode = SchedulerService(config), SchedulerService(config, executor_factory=FailingImportExecutor)
+        fresh = SchedulerService(config)
+        try:
+            result = await prefill.prefill("m", PROMPT, GREEDY)
+            await decode.submit_prefilled(result, PROMPT, GREEDY, 0.0, consumer_id="pd")
+            failed = (await finals(decode, "pd", {"m"}))["m"]  # its step wrote one page of the KV, then failed
+            cached, after_failure = await decode.cached_prefix_tokens(PROMPT), await decode.stats()
+            later = await asyncio.wait_for(decode.generate("later", PROMPT, GREEDY), TIMEOUT_S)
+            expected = await asyncio.wait_for(fresh.generate("fresh", PROMPT, GREEDY), TIMEOUT_S)
+            stats = [await s.stats() for s in (prefill, decode, fresh)]
+            return (failed, cached, after_failure, later.outputs[0].token_ids, expected.outputs[0].token_ids,
+                    stats, (await decode.health()).ok)
+        finally:
+            for service in (prefill, decode, fresh):
+                await service.shutdown()
+
+    failed, cached, after_failure, later, expected, stats, healthy = asyncio.run(scenario())
+    assert failed.finish_reason == "error" and IMPORT_ERROR in (failed.error or ""), failed
+    assert cached == 0, f"the prefix cache holds {cached} tokens of KV that was never written"
+    assert_all_free(after_failure)
+    assert after_failure.num_kv_pages_free == after_failure.num_kv_pages_total  # nothing cached at all
+    assert later == expected and len(later) == GREEDY.max_tokens
+    assert healthy
+    for s in stats:
+        assert_all_free(s)
+
+
+def _with_tensors(payload: KVPayload, change: Any) -> KVPayload:
+    """``payload`` with ``change`` applied to every k and v tensor."""
+    return replace(payload, k=tuple(change(t) for t in payload.k), v=tuple(change(t) for t in payload.v))
+
+
+# name -> (the payload made from the prefill's, the param the refusal names, words its message holds)
+def _mismatches(p: KVPayload) -> dict[str, tuple[tuple[KVPayload, ...], str, tuple[str, ...]]]:
+    ps, heads, head_dim = p.page_shape
+    return {
+        "layers": ((replace(p, k=p.k[:-1], v=p.v[:-1]),), "model",
+                   ("num_layers", f"{p.num_layers - 1} layers", f"this pool {p.num_layers}")),
+        "kv_heads": ((_with_tensors(p, lambda t: t[:, :, :1]),), "tensor_parallel_size",
+                     ("num_kv_heads", "1 kv heads", f"this pool {heads}")),
+        "head_dim": ((_with_tensors(p, lambda t: t[..., : head_dim // 2]),), "model",
+                     (f"head_dim {head_dim // 2}", f"this pool {head_dim}")),
+        "dtype": ((replace(_with_tensors(p, lambda t: t.to(torch.bfloat16)), dtype="bfloat16"),), "dtype",
+                  ("bfloat16", "float32")),
+        "page_size": ((_with_tensors(p, lambda t: t[:, : ps // 2]),), "page_size",
+                      (f"{ps // 2} tokens", f"this pool's {ps}")),
+        "tp_ranks": ((p, p), "tensor_parallel_size", ("2 ranks", "has 1")),
+        "pages": ((first_pages(p, p.num_pages - 1),), "prompt", (f"{p.num_pages - 1} pages", f"fills {p.num_pages}")),
+    }
+
+
+def test_a_payload_that_does_not_fit_the_pool_is_refused_by_field_before_any_page(config: EngineConfig) -> None:
+    async def scenario() -> tuple[dict[str, tuple[str, str] | None], dict[str, tuple[str, tuple[str, ...]]],
+                                  EngineStats]:
+        prefill, decode = SchedulerService(config), SchedulerService(config)
+        try:
+            result = await prefill.prefill("m", PROMPT, GREEDY)
+            cases = _mismatches(result.kv[0])
+            refused: dict[str, tuple[str, str] | None] = {}
+            for name, (kv, _, _) in cases.items():
+                try:
+                    await decode.submit_prefilled(replace(result, request_id=name, kv=kv), PROMPT, GREEDY, 0.0,
+                                                  consumer_id="pd")
+                    refused[name] = None
+                except InvalidParameterError as err:
+                    refused[name] = (err.param, err.message)
+            return refused, {n: (c[1], c[2]) for n, c in cases.items()}, await decode.stats()
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    refused, expected, stats = asyncio.run(scenario())
+    accepted = [name for name, err in refused.items() if err is None]
+    assert not accepted, f"accepted, to fail in a step: {accepted}"
+    for name, (param, words) in expected.items():
+        got = refused[name]
+        assert got is not None and got[0] == param and all(w in got[1] for w in words), (name, got)
+    assert stats.num_steps == 0  # nothing was admitted
+    assert_all_free(stats)

@@ -11,7 +11,9 @@ its first token goes through the request's own stop rule (it may end the
 request at once), and its prompt KV is written into fresh pages by the step
 that admits it (``scheduling.kv_handoff``). Every field of the payload is
 checked against this engine's pool first, so a mismatch is refused by name
-before any page is given.
+before any page is given. A decode replica with a separate draft model is
+refused (``check_decode_drafting``): only the target's KV moves, so the draft
+model's own pool would hold nothing for the prompt.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from scheduling.batch import Batch, StepOutput, TokenLogprobs
 from scheduling.errors import InvalidParameterError
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
+from scheduling.spec_config import SpeculativeConfig
 from scheduling.stop_rule import StopRule
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ def add_prefilled(
 ) -> list[SequenceDelta]:
     """Start ``result``'s request here; returns the delta of its first token (final if that token ends it)."""
     check_remote_prefill(params)
+    check_decode_drafting(engine.config.speculative_config)
     _check_kv(engine, result.kv, len(prompt_ids))
     rid = result.request_id
     stop = StopRule(params, engine.eos_token_id, IncrementalDetokenizer(engine.tokenizer, prompt_ids))
@@ -104,6 +108,24 @@ def add_prefilled(
         timing = SequenceTiming(arrival_time, req.first_token_time, req.last_token_time, 1, req.first_scheduled_time)
     return [SequenceDelta(rid, 0, tokens, text, logprobs, reason, len(prompt_ids), result.num_cached_tokens,
                           None, timing)]
+
+
+def check_decode_drafting(speculative_config: SpeculativeConfig | dict[str, Any] | str | None) -> None:
+    """Refuse a separate draft model where requests arrive prefilled (a decode replica or pool).
+
+    Only the target model's KV moves between replicas: the draft model's own
+    pool would hold nothing for an imported prompt, and its drafts would be
+    blind. N-gram drafting and a self-draft (``layers``, on the target's
+    pages) see the imported KV and are kept.
+    """
+    spec = SpeculativeConfig.parse(speculative_config)
+    if spec is not None and spec.model is not None:
+        raise InvalidParameterError(
+            "speculative_config.model",
+            f"the draft model {spec.model!r} drafts from a KV pool of its own, which a prompt prefilled on "
+            f"another replica never fills: a decode replica drafts with method 'ngram' or a self-draft "
+            f"('layers'), or not at all",
+        )
 
 
 def _check_kv(engine: LLMEngine, kv: tuple[KVPayload, ...], num_prompt_tokens: int) -> None:

@@ -193,8 +193,9 @@ class ModelRunner:
         ``batch.kv_exports`` entry names are read back into
         ``StepOutput.kv_exports`` on every rank (rank r's pool holds its share
         of the heads). Only the target model's pool moves: a draft model's own
-        pool (``speculative_config`` with a draft model) gets nothing, so its
-        drafts for an imported prompt would be blind; a self-draft shares the
+        pool (``speculative_config`` with a draft model) would get nothing, so
+        the engine refuses prefilled requests there
+        (``actors.kv_handoff.check_decode_drafting``); a self-draft shares the
         target's pages and sees them.
         """
         if batch.kv_imports:

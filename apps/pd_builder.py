@@ -24,6 +24,7 @@ from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
+from actors.kv_handoff import check_decode_drafting
 from apps.prefill_server import PrefillServer
 from apps.remote_prefill import DEFAULT_REMOTE_PREFILL_MIN_TOKENS
 from scheduling.errors import InvalidParameterError
@@ -50,6 +51,7 @@ def split_pd(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int]
         if clash:
             raise InvalidParameterError(f"pd.{name}", f"{clash[0]} must be the same in both pools (KV moves between them)")
         pools.append(dict(pool))
+    check_decode_drafting({**args, **pools[1]}.get("speculative_config"))  # the decode pool's, as it will run
     return pools[0], pools[1], int(pd.get("remote_prefill_min_tokens", DEFAULT_REMOTE_PREFILL_MIN_TOKENS))
 
 

@@ -2,7 +2,8 @@
 
 A prefill cancelled while its KV is exported keeps no export; an import that
 fails in its step puts nothing into the prefix cache; a payload that does not
-fit the pool is refused by name before any page.
+fit the pool is refused by name before any page; a decode replica with a
+separate draft model is refused (its draft pool would never see the prompt).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from actors.engine_stats import EngineStats
 from actors.kv_handoff import PrefillResult
 from actors.outputs import SequenceDelta
 from actors.scheduler_actor import SchedulerService
+from apps.pd_builder import split_pd
 from kvcache.kv_transfer import KVPayload
 from scheduling.errors import InvalidParameterError
+from scheduling.spec_config import SpeculativeConfig
 from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.step_faults import (
     IMPORT_ERROR,
@@ -179,3 +182,41 @@ def test_a_payload_that_does_not_fit_the_pool_is_refused_by_field_before_any_pag
         assert got is not None and got[0] == param and all(w in got[1] for w in words), (name, got)
     assert stats.num_steps == 0  # nothing was admitted
     assert_all_free(stats)
+
+
+DRAFT_MODEL = {"method": "draft", "num_speculative_tokens": 2}
+
+
+def test_a_separate_draft_model_is_refused_where_requests_arrive_prefilled(config: EngineConfig) -> None:
+    draft = SpeculativeConfig(model=config.model, **DRAFT_MODEL)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[InvalidParameterError, EngineStats]:
+        prefill, decode = SchedulerService(config), SchedulerService(replace(config, speculative_config=draft))
+        try:
+            result = await prefill.prefill("m", PROMPT, GREEDY)
+            with pytest.raises(InvalidParameterError) as info:
+                await decode.submit_prefilled(result, PROMPT, GREEDY, 0.0, consumer_id="pd")
+            return info.value, await decode.stats()
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    err, stats = asyncio.run(scenario())
+    assert err.param == "speculative_config.model" and repr(config.model) in err.message
+    assert stats.num_steps == 0
+    assert_all_free(stats)
+
+
+def test_the_decode_pool_of_an_app_refuses_a_separate_draft_model_at_build_time() -> None:
+    spec = {**DRAFT_MODEL, "model": "tiny"}
+    with pytest.raises(InvalidParameterError) as info:  # the app's, which the decode pool inherits
+        split_pd({"model": "tiny", "speculative_config": spec, "pd": {"prefill": {}, "decode": {}}})
+    assert info.value.param == "speculative_config.model" and "'tiny'" in info.value.message
+    with pytest.raises(InvalidParameterError) as info:  # the decode pool's own
+        split_pd({"model": "tiny", "pd": {"decode": {"speculative_config": spec}}})
+    assert info.value.param == "speculative_config.model"
+    # The prefill pool may have one; a self-draft or n-gram drafting on the decode pool reads the imported KV.
+    split_pd({"model": "tiny", "pd": {"prefill": {"speculative_config": spec}}})
+    split_pd({"model": "tiny", "speculative_config": spec,
+              "pd": {"decode": {"speculative_config": {**DRAFT_MODEL, "layers": 1}}}})
+    split_pd({"model": "tiny", "pd": {"decode": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}}})

@@ -73,8 +73,8 @@ class FaultyExecutor(Executor):
             self.inner = RayExecutor(config)
         else:
             self.inner = LocalExecutor(config)
-        self.capacity, self.model_path, self.vocab_size = (
-            self.inner.capacity, self.inner.model_path, self.inner.vocab_size)
+        self.capacity, self.kv_layout, self.model_path, self.vocab_size = (
+            self.inner.capacity, self.inner.kv_layout, self.inner.model_path, self.inner.vocab_size)
         self.control, self.num_restarts = control, 0
         ray.get(control.shards_.remote(getattr(self.inner, "shards", [])))
 
@@ -114,7 +114,8 @@ class InjectedExecutor(Executor):
 
     def __init__(self, inner: Executor, control: Any) -> None:
         self.inner, self.control = inner, control
-        self.capacity, self.model_path, self.vocab_size = inner.capacity, inner.model_path, inner.vocab_size
+        self.capacity, self.kv_layout = inner.capacity, inner.kv_layout
+        self.model_path, self.vocab_size = inner.model_path, inner.vocab_size
 
     @property
     def shards(self) -> list[Any]:

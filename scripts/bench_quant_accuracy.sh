@@ -30,7 +30,7 @@ $py - "$out" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     r = json.loads(f.read_text())
-    keys = ("greedy_agreement", "token_top1_agreement", "perplexity_ratio", "mean_kl", "max_kl", "kv_pages_ratio",
-            "decode_speedup", "output_tok_per_s_ratio")
-    print(f.stem, {k: r[k] for k in keys}, "weight MiB", [round(r[s]["weight_bytes"] / 2**20, 1) for s in ("base", "against")])
+    keys = ("greedy_agreement", "token_top1_agreement", "token_top1_matches", "output_tokens", "perplexity_ratio",
+            "mean_kl", "max_kl", "kv_pages_ratio", "decode_speedup", "output_tok_per_s_ratio")
+    print(f.stem, {k: r.get(k) for k in keys}, "weight MiB", [round(r[s]["weight_bytes"] / 2**20, 1) for s in ("base", "against")])
 PY

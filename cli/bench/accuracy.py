@@ -282,7 +282,9 @@ def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base
         "greedy_agreement": round(same / len(reqs), 4),
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
-        "token_top1_agreement": round(float(top1.double().mean()), 4),
+        # Unrounded, with its count: a threshold is never met by rounding.
+        "token_top1_agreement": float(top1.double().mean()),
+        "token_top1_matches": int(top1.sum()),
         "perplexity_ratio": perplexity_ratio(base_side.heldout, against_side.heldout),
         "heldout": {
             "path": str(heldout),
@@ -290,8 +292,7 @@ def run(model: str, workload: str | Path, *, against: str | dict[str, Any], base
             "window": window,
             "base_perplexity": base_side.heldout.perplexity,
             "against_perplexity": against_side.heldout.perplexity,
-            "top1_agreement": round(float((base_side.heldout.argmax == against_side.heldout.argmax).double().mean()),
-                                    4),
+            "top1_agreement": float((base_side.heldout.argmax == against_side.heldout.argmax).double().mean()),
         },
         "divergences": parted,
         "base_min_margin_quantiles": margin_quantiles(base_logits),

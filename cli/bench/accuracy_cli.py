@@ -87,9 +87,9 @@ def format_table(result: dict[str, Any]) -> str:
         row("weight bytes", "weight_bytes", "d"),
         f"greedy_agreement {r['greedy_agreement']:.3f}   mean_kl {r['mean_kl']:.3e}   max_kl {r['max_kl']:.3e}"
         f"   (over {r['output_tokens']} positions)",
-        f"token_top1_agreement {r['token_top1_agreement']:.4f} (teacher-forced, same positions)"
+        f"token_top1_agreement {r['token_top1_agreement']:.5f} ({r['token_top1_matches']} of the same positions)"
         f"   perplexity_ratio {r['perplexity_ratio']:.5f} ({h['against_perplexity']:.4f} / {h['base_perplexity']:.4f}"
-        f" over {h['tokens']} held-out tokens; top-1 agreement there {h['top1_agreement']:.4f})",
+        f" over {h['tokens']} held-out tokens; top-1 agreement there {h['top1_agreement']:.5f})",
         f"outputs part at base top-2 gaps {sorted(d['base_margin'] for d in r['divergences'] if d['base_margin'] is not None)}"
         f"; smallest gap per request {r['base_min_margin_quantiles']}",
         f"kv_pages_ratio {r['kv_pages_ratio']}   decode_speedup {r['decode_speedup']}"

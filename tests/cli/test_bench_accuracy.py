@@ -112,6 +112,7 @@ def test_an_identical_config_agrees_exactly(tiny_model_dir: Path, workload: Path
     assert out["mean_kl"] == 0.0 and out["max_kl"] == 0.0
     # The token-level figures of a config against itself; held-out windows of max_model_len (128, 128, 44).
     assert out["token_top1_agreement"] == 1.0 and out["perplexity_ratio"] == 1.0
+    assert out["token_top1_matches"] == out["output_tokens"]
     assert (out["heldout"]["window"], out["heldout"]["tokens"]) == (128, 300 - 3)
     assert out["heldout"]["base_perplexity"] == out["heldout"]["against_perplexity"] > 1.0
     assert out["heldout"]["top1_agreement"] == 1.0

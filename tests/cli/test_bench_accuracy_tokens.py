@@ -111,6 +111,7 @@ def test_an_int8_kv_candidate_moves_the_teacher_forced_figures(tiny_model_dir: P
     assert out["perplexity_ratio"] != 1.0
     assert out["perplexity_ratio"] == pytest.approx(h["against_perplexity"] / h["base_perplexity"], rel=1e-9)
     assert 0.0 <= out["token_top1_agreement"] <= 1.0 and 0.0 <= h["top1_agreement"] <= 1.0
+    assert out["token_top1_agreement"] == out["token_top1_matches"] / out["output_tokens"]
 
 
 def test_the_command_prints_the_token_level_keys(tiny_model_dir: Path, files: tuple[Path, Path],
@@ -125,5 +126,5 @@ def test_the_command_prints_the_token_level_keys(tiny_model_dir: Path, files: tu
     assert out["heldout"]["path"] == str(heldout)
     assert main(args) == 0
     table = capsys.readouterr().out
-    assert f"token_top1_agreement {out['token_top1_agreement']:.4f}" in table
+    assert f"token_top1_agreement {out['token_top1_agreement']:.5f} ({out['token_top1_matches']} of" in table
     assert f"perplexity_ratio {out['perplexity_ratio']:.5f}" in table

@@ -283,7 +283,8 @@ class LLMServer(ReplicaStats):
             self._fanout.open(eid, queue)
         submitted = [self._submit(eid, ids, ps) for eid, ids, ps in zip(engine_ids, prompts, params, strict=True)]
         try:
-            num_prompt = sum(await asyncio.gather(*submitted))
+            # Shielded: a cancel of this handler must not cancel a submit, whose end the abort below awaits.
+            num_prompt = sum(await asyncio.gather(*(asyncio.shield(sub) for sub in submitted)))
         except BaseException as exc:
             for eid in engine_ids:
                 self._fanout.close(eid)
@@ -310,11 +311,12 @@ class LLMServer(ReplicaStats):
             return EventStreamResponse(sse(stream, out, req.include_usage, release), release)
         return await whole(stream, out, release)
 
-    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Any:
-        """What queues one prompt (awaitable twice): here, or maybe through the prefill pool (P/D)."""
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Future[int]:
+        """The future of queueing one prompt, here or maybe through the prefill pool (P/D); it runs to its end
+        even when the handler is cancelled (the caller awaits it shielded), so an abort can follow it."""
         consumer = self._fanout.consumer_id
         if self._remote is None:
-            return self._actor.submit.remote(request_id, prompt_ids, params, consumer_id=consumer)
+            return asyncio.ensure_future(self._actor.submit.remote(request_id, prompt_ids, params, consumer_id=consumer))
         return asyncio.ensure_future(self._submit_routed(request_id, prompt_ids, params, consumer))
 
     async def _submit_routed(self, request_id: str, prompt_ids: list[int], params: SamplingParams, consumer: str) -> int:
@@ -330,10 +332,13 @@ class LLMServer(ReplicaStats):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _abort_after(self, submitted: Any, request_id: str) -> None:
-        """Abort ``request_id`` after its submit call finished: an abort that overtook it would miss."""
-        with contextlib.suppress(Exception):
-            await submitted
+    async def _abort_after(self, submitted: asyncio.Future[int], request_id: str) -> None:
+        """Abort ``request_id`` after its submit call finished: an abort that overtook it would miss.
+
+        However the submit ended (a result, an error, even a cancel: ``CancelledError`` is no
+        ``Exception``), the request may be queued by now, so the abort always follows.
+        """
+        await asyncio.wait([submitted])  # returns when it is done; raises nothing of its outcome
         await self._abort(request_id)
 
     async def _abort(self, request_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Clients that hang up: their requests are aborted in the scheduler and their KV pages freed."""
+"""Clients that hang up: their requests are aborted in the scheduler and their KV pages freed (also with ``pd``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import asyncio
 import json
 import random
 import socket
+from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import httpx2
+import pytest
 
+from tests.apps.pd_harness import PDServer, pd_app
 from tests.serve_harness import TIMEOUT, LiveServer, http, poll_until
 
 LONG = {"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True}
@@ -100,4 +104,50 @@ def test_disconnect_storm_frees_every_page(live: LiveServer) -> None:
     asyncio.run(storm())
     live.assert_pages_free(10.0)
     ok, body = http(f"{live.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok == 200, body
+
+
+@pytest.fixture(scope="module")
+def pd(live: LiveServer, tiny_model_dir: Path) -> Iterator[PDServer]:
+    # Prefill in chunks of 32 tokens: each long prompt takes many prefill steps, so the storm's
+    # hang-ups land all along its submit (the remote prefill, then the decode replica's take-over).
+    with pd_app(live, tiny_model_dir, "pd-storm", prefill={"max_num_batched_tokens": 32}) as server:
+        yield server
+
+
+def test_pd_disconnect_storm_mid_submit_frees_every_page(pd: PDServer) -> None:
+    """Long prompts, each prefilled remotely, whose clients hang up one after another while they are submitted."""
+    num = 48
+    steps_before, prefill_steps_before = pd.decode.stats().num_steps, pd.prefill.stats().num_steps
+    rng = random.Random(1)
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        prompt = f"storm {i} {rng.random()}: " + "a tale of ships and harbours, " * 8  # unique: never cached
+        body = {"prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "stream": i % 2 == 0}
+        async with session.post(f"{pd.decode.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.read()
+            await resp.read()
+
+    async def storm() -> None:
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as session:
+            tasks = [asyncio.create_task(one(session, i)) for i in range(num)]
+            # Once the prefill pool computes the first prompts, hang up one client per prefill step or so,
+            # in an order unrelated to arrival: hang-ups land before, during and after each submit.
+            await asyncio.to_thread(poll_until, lambda: pd.prefill.stats().num_steps > prefill_steps_before,
+                                    TIMEOUT, "the prefill pool to compute the first prompts")
+            for task in rng.sample(tasks, len(tasks)):
+                task.cancel()
+                await asyncio.sleep(rng.uniform(0.0, 0.02))  # spreads the hang-ups over the submits
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+            assert not errors, errors[:3]
+
+    asyncio.run(storm())
+    pd.assert_pages_free(10.0)
+    # Aborted, not finished: any one of them left running would take 1,500 decode steps.
+    steps = pd.decode.stats().num_steps - steps_before
+    assert steps < 1000, f"{steps} decode steps ran: a request was left running after its client left"
+    ok, body = http(f"{pd.decode.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert ok == 200, body

@@ -7,7 +7,6 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -15,65 +14,47 @@ from openai import APIStatusError, OpenAI
 
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
-from tests.serve_harness import (
-    ACTOR_NAMESPACE,
-    ENGINE,
-    TIMEOUT,
-    LiveServer,
-    app_beside,
-)
+from tests.apps.pd_harness import PDServer, pd_app
+from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer
 
-APP = "pd"
-PREFILL_ACTOR = "pd-prefill-scheduler"
-DECODE_ACTOR = "pd-decode-scheduler"
-MIN_TOKENS = 24
 LONG = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(4)]
 SHORT = "hi"
 
 
-@pytest.fixture(scope="module")
-def server(live: LiveServer, tiny_model_dir: Path) -> Iterator[LiveServer]:
-    """A pd app beside the package's app, on its cluster (one Ray per test package)."""
-    named = {"namespace": ACTOR_NAMESPACE}
-    pd = {"remote_prefill_min_tokens": MIN_TOKENS,
-          "prefill": {"scheduler_options": {"name": PREFILL_ACTOR, **named}}, "decode": {}}
-    args = {**ENGINE, "model": str(tiny_model_dir), "served_model_name": "tiny", "num_replicas": 1,
-            "scheduler_options": {"name": DECODE_ACTOR, **named}, "pd": pd}
-    with app_beside(live, args, APP, DECODE_ACTOR) as server:
+@pytest.fixture
+def pd(live: LiveServer, tiny_model_dir: Path) -> Iterator[PDServer]:
+    """A pd app beside the package's app, on its cluster (one Ray per test package); one per test, and gone
+    before the next deploys its own (the cluster's CPUs hold the package's app and one pd app)."""
+    with pd_app(live, tiny_model_dir, "pd") as server:
         yield server
-
-
-def prefill_stats() -> Any:
-    return ray.get(ray.get_actor(PREFILL_ACTOR, namespace=ACTOR_NAMESPACE).stats.remote(), timeout=TIMEOUT)
 
 
 def client(server: LiveServer) -> OpenAI:
     return OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
 
 
-def test_long_prompts_prefill_remotely_with_the_colocated_output(server: LiveServer, tiny_model_dir: Path) -> None:
+def test_long_prompts_prefill_remotely_with_the_colocated_output(pd: PDServer, tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, dtype="float32",
               device="cpu")
     expected = [o.outputs[0].text for o in llm.generate(
         LONG, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)]
     llm.shutdown()
-    before = prefill_stats().num_steps
+    before = pd.prefill.stats().num_steps
+    server = pd.decode
     api = client(server)
     got = [api.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0.0,
                                   extra_body={"ignore_eos": True}).choices[0].text for p in LONG]
     assert got == expected
-    after = prefill_stats().num_steps
+    after = pd.prefill.stats().num_steps
     assert after > before  # the prompts were computed on the prefill pool
     # A short prompt stays on the decode replica.
     api.completions.create(model="tiny", prompt=SHORT, max_tokens=4, temperature=0.0)
-    assert prefill_stats().num_steps == after
+    assert pd.prefill.stats().num_steps == after
     # Streaming through the remote path: the first token arrives as a delta like any other.
     chunks = list(api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": LONG[0]}],
                                               max_tokens=8, temperature=0.0, stream=True))
     assert sum(len(c.choices[0].delta.content or "") for c in chunks if c.choices) > 0
-    server.assert_pages_free()
-    stats = prefill_stats()
-    assert stats.num_unfinished_requests == 0 and stats.num_kv_pages_locked == 0
+    pd.assert_pages_free()
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=TIMEOUT) as resp:
         metrics = resp.read().decode()
     assert "flotilla:pd_remote_prefills_total" in metrics and "flotilla:pd_kv_transfer_seconds_bucket" in metrics
@@ -82,14 +63,16 @@ def test_long_prompts_prefill_remotely_with_the_colocated_output(server: LiveSer
     assert remote == len(LONG) + 1  # the completions and the streamed chat
 
 
-def test_a_dead_prefill_pool_is_a_clear_503_and_frees_everything(server: LiveServer) -> None:
-    ray.kill(ray.get_actor(PREFILL_ACTOR, namespace=ACTOR_NAMESPACE), no_restart=True)
-    api = client(server)
-    fresh = "A prompt this replica has not cached: " + "lorem ipsum dolor sit amet " * 4  # else it prefills here
-    with pytest.raises(APIStatusError) as info:
-        api.completions.create(model="tiny", prompt=fresh, max_tokens=8, temperature=0.0)
-    assert info.value.status_code == 503 and "prefill pool" in str(info.value)
-    # Short prompts still decode here.
-    out = api.completions.create(model="tiny", prompt=SHORT, max_tokens=4, temperature=0.0)
-    assert out.choices[0].finish_reason in ("stop", "length")
-    server.assert_pages_free()
+def test_a_dead_prefill_pool_is_a_clear_503_and_frees_everything(live: LiveServer, tiny_model_dir: Path) -> None:
+    # Its own app: the prefill actor it kills is no other test's.
+    with pd_app(live, tiny_model_dir, "pd-dead") as dead:
+        assert dead.prefill.actor_name is not None
+        ray.kill(ray.get_actor(dead.prefill.actor_name, namespace=ACTOR_NAMESPACE), no_restart=True)
+        api = client(dead.decode)
+        with pytest.raises(APIStatusError) as info:
+            api.completions.create(model="tiny", prompt=LONG[0], max_tokens=8, temperature=0.0)
+        assert info.value.status_code == 503 and "prefill pool" in str(info.value)
+        # Short prompts still decode here.
+        out = api.completions.create(model="tiny", prompt=SHORT, max_tokens=4, temperature=0.0)
+        assert out.choices[0].finish_reason in ("stop", "length")
+        dead.decode.assert_pages_free()

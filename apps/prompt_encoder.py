@@ -1,4 +1,4 @@
-"""Prompts and chat conversations to token ids, off the event loop when they are long.
+"""Prompts and chat conversations to token ids, and token ids back to text, off the event loop when long.
 
 A replica's one event loop also fans out every stream's deltas, so a long
 tokenization there stalls every stream for its whole length. Prompts of at
@@ -11,7 +11,10 @@ Why 2,048 characters: measured on the tiny model's byte-level tokenizer
 inline encode stalls the loop for under ~0.5 ms, less than one decode step,
 and a thread hop would be a tenth or more of the work; above it the stall
 grows without bound (64 K characters: ~20 ms) while the hop stays ~50 us.
-Short requests, the latency-sensitive ones, never pay the hop.
+Short requests, the latency-sensitive ones, never pay the hop. Decoding
+(``/detokenize``) takes the same path by its number of tokens: each token is
+at least one character of text, so a token count at the threshold is at least
+as much work as an encode there.
 
 Thread safety: a fast tokenizer's encode borrows its Rust state shared
 (only changing truncation or padding borrows it exclusively, which we never
@@ -21,15 +24,18 @@ do), so encodes in threads and on the loop may overlap.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from actors.prompt_ids import chat_ids, template_supports_tools, text_ids
 
 OFFLOAD_MIN_CHARS = 2048
+T = TypeVar("T")
 
 
 class PromptEncoder:
-    """Encodes prompts with one tokenizer; ``encode``/``encode_chat`` pick inline or a thread by length."""
+    """Encodes prompts and decodes ids with one tokenizer; ``encode``/``encode_chat``/``decode`` pick inline or
+    a thread by size."""
 
     def __init__(self, tokenizer: Any, *, offload_min_chars: int = OFFLOAD_MIN_CHARS) -> None:
         self.tokenizer = tokenizer
@@ -48,9 +54,7 @@ class PromptEncoder:
         """Token ids of a prompt (token-id prompts pass through; the engine checks their range)."""
         if not isinstance(prompt, str):
             return list(prompt)
-        if len(prompt) >= self.offload_min_chars:
-            return await asyncio.to_thread(self.ids, prompt)
-        return self.ids(prompt)
+        return await self._run(len(prompt), self.ids, prompt)
 
     async def encode_chat(self, conversation: list[dict[str, Any]],
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -58,6 +62,14 @@ class PromptEncoder:
         size = sum(len(turn.get("content") or "") for turn in conversation)
         if tools:
             size += sum(len(str(tool)) for tool in tools)
+        return await self._run(size, self.chat_ids, conversation, tools)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of token ids (``tokenizer.decode``); many ids are decoded in a thread."""
+        return await self._run(len(ids), self.tokenizer.decode, ids)
+
+    async def _run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: in a worker thread when ``size`` (characters, or tokens) reaches the threshold, else here."""
         if size >= self.offload_min_chars:
-            return await asyncio.to_thread(self.chat_ids, conversation, tools)
-        return self.chat_ids(conversation, tools)
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)

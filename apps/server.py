@@ -237,7 +237,7 @@ class LLMServer(ReplicaStats):
             bad = [t for t in req.tokens if not 0 <= t < len(self.tokenizer)]
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
-            text = self.tokenizer.decode(req.tokens)
+            text = await self._encoder.decode(req.tokens)
         except Exception as exc:
             return error_json(exc)
         return JSONResponse({"prompt": text})

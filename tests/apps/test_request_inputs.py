@@ -1,5 +1,5 @@
 """Request inputs off the HTTP path: bodies over the limit are read to the end (so the 413
-reaches the client), and long prompts are encoded in a worker thread, short ones inline."""
+reaches the client), and long prompts are encoded (many ids decoded) in a worker thread, short ones inline."""
 
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ class _ThreadRecorder:
         self.threads.append(threading.get_ident())
         return self.inner.apply_chat_template(*args, **kwargs)  # type: ignore[attr-defined]
 
+    def decode(self, ids: list[int]) -> str:
+        self.threads.append(threading.get_ident())
+        return str(self.inner.decode(ids))  # type: ignore[attr-defined]
+
 
 def test_long_prompts_are_encoded_off_the_event_loop(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
@@ -78,3 +82,19 @@ def test_long_prompts_are_encoded_off_the_event_loop(tiny_model_dir: Path) -> No
     assert loop_thread not in recorder.threads[1:]
     assert ids[:2] == [list(tokenizer(short)["input_ids"]), list(tokenizer(long)["input_ids"])]
     assert ids[2] == PromptEncoder(tokenizer).chat_ids(chat) and ids[3] == [5, 6]
+
+
+def test_many_token_ids_are_decoded_off_the_event_loop(tiny_model_dir: Path) -> None:
+    """``/detokenize`` decodes through the encoder: a long id list in a worker thread, a short one inline."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    recorder = _ThreadRecorder(tokenizer)
+    encoder = PromptEncoder(recorder, offload_min_chars=100)
+    loop_thread = threading.get_ident()
+    short, long = tokenizer("short text")["input_ids"], tokenizer("long text " * 20)["input_ids"]
+    assert len(short) < 100 <= len(long)
+
+    async def scenario() -> list[str]:
+        return [await encoder.decode(short), await encoder.decode(long)]
+
+    assert asyncio.run(scenario()) == [tokenizer.decode(short), tokenizer.decode(long)]
+    assert recorder.threads[0] == loop_thread and recorder.threads[1] != loop_thread

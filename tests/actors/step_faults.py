@@ -7,8 +7,9 @@ through the copy, as an out-of-memory would.
 
 In a live ``SchedulerActor`` (through ``actor.__ray_call__.remote(fn, ...)``, so no
 product hook is needed): ``break_masks`` makes the next token-mask builds raise;
-``break_settling`` makes the scheduler unable to settle any step, the case the
-engine cannot recover from.
+``break_finish`` makes the next steps fail as they finish, before the scheduler's
+update; ``break_settling`` makes the scheduler unable to settle any step, the
+case the engine cannot recover from.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+import actors.engine
 from actors.engine_config import EngineConfig
 from actors.executor import LocalExecutor
 from kvcache.kv_transfer import KVPayload
@@ -25,6 +27,7 @@ from scheduling.batch import Batch, StepOutput, TokenMasks
 
 TIMEOUT_S = 60.0
 MASKS_ERROR = "injected: building the token masks failed"
+FINISH_ERROR = "injected: the step failed before the scheduler's update"
 SETTLE_ERROR = "injected: the scheduler cannot settle a step"
 IMPORT_ERROR = "injected: out of memory while copying the imported KV"
 
@@ -85,6 +88,23 @@ def break_masks(service: Any, times: int) -> None:
         return build(batch, seq_ids)
 
     states.masks = masks
+
+
+def break_finish(service: Any, times: int) -> None:
+    """Run in a SchedulerActor: its next ``times`` steps raise in ``finish_step`` before the scheduler's update.
+
+    The hook is the first thing ``finish_step`` calls (``collect_exports``), patched in the actor's process.
+    """
+    collect = actors.engine.collect_exports
+    left = [times]
+
+    def failing(engine: Any, batch: Batch, output: StepOutput) -> None:
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError(FINISH_ERROR)
+        collect(engine, batch, output)
+
+    actors.engine.collect_exports = failing  # type: ignore[assignment]
 
 
 def break_settling(service: Any) -> None:

@@ -1,8 +1,9 @@
 """The scheduler actor on a local Ray cluster when a step fails between its planning and its update.
 
-A token-mask build that raises ends that step's requests with an error and the
-replica serves on, health ok; a failure the engine cannot settle turns health
-not ok, and the actor still answers (its loop never holds the event loop).
+A token-mask build that raises ends that step's requests with an error, and a
+step that fails as it finishes ends every request; either way the replica then
+serves on, health ok. A failure the engine cannot settle turns health not ok,
+and the actor still answers (its loop never holds the event loop).
 Faults are injected into the live actor (``tests.actors.step_faults``).
 """
 
@@ -21,7 +22,13 @@ from actors.scheduler_actor import SchedulerActor
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput
 from tests.actors.checkpoints import write_llama_with_tokenizer
-from tests.actors.step_faults import MASKS_ERROR, break_masks, break_settling
+from tests.actors.step_faults import (
+    FINISH_ERROR,
+    MASKS_ERROR,
+    break_finish,
+    break_masks,
+    break_settling,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256,
@@ -86,6 +93,18 @@ def test_a_mask_build_that_raises_fails_its_step_and_the_replica_serves_on(actor
                               actor.generate.remote("free", PROMPT, FREE)])
     assert constrained.outputs[0].text in ("alpha", "beta") and constrained.outputs[0].finish_reason == "stop"
     assert free.outputs[0].finish_reason == "length" and len(free.outputs[0].token_ids) == FREE.max_tokens
+    assert _get(actor.health.remote()).ok
+    _assert_all_free(actor)
+
+
+def test_a_step_that_fails_before_its_update_ends_the_requests_and_the_replica_serves_on(actor: Any) -> None:
+    _get(actor.__ray_call__.remote(break_finish, 1))
+    failed = _get(actor.generate.remote("broken", PROMPT, FREE)).outputs[0]
+    assert failed.finish_reason == "error" and FINISH_ERROR in (failed.error or ""), failed
+    assert _get(actor.health.remote()).ok
+    _assert_all_free(actor)
+    after = _get(actor.generate.remote("after", PROMPT, FREE)).outputs[0]
+    assert after.finish_reason == "length" and len(after.token_ids) == FREE.max_tokens
     assert _get(actor.health.remote()).ok
     _assert_all_free(actor)
 

@@ -114,7 +114,7 @@ def build_app(args: dict[str, Any]) -> Application:
         if "autoscaling" in options:
             raise InvalidParameterError("autoscaling", "with pd each pool scales on its own signals: set "
                                                        "pd.prefill.autoscaling and pd.decode.autoscaling")
-        prefill_pool, decode_pool, min_tokens = pd
+        prefill_pool, decode_pool, remote = pd
         prefill_engine, prefill_options = split_args(prefill_pool)
         prefill_engine = {**engine, **prefill_engine}
         EngineConfig.from_kwargs(**prefill_engine)
@@ -127,7 +127,7 @@ def build_app(args: dict[str, Any]) -> Application:
         options = {**options, **decode_options}
         if "autoscaling" in options:
             options["autoscaling"] = with_pool(options["autoscaling"], "decode")
-        options.update(prefill=prefill, remote_prefill_min_tokens=min_tokens)
+        options.update(prefill=prefill, **remote)
     config = EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
     check_placement(options.get("scheduler_placement", DEFAULT_PLACEMENT), options.get("scheduler_options"))
     deployment = cast(Deployment, LLMServer)  # @serve.deployment made the class a Deployment

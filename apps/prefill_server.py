@@ -5,6 +5,8 @@ A prefill replica owns one ``SchedulerActor``. Decode replicas call
 token and returns them with the prompt's KV pages (``PrefillResult``), which
 travel back through Ray's object store. The prompt's pages stay in this
 replica's prefix cache, so a hot prefix is computed once per prefill replica.
+A decode replica that gives up on a call (``remote_prefill_timeout_s``)
+cancels it; the request is then aborted in this replica's scheduler.
 
 Autoscaling: ``record_autoscaling_stats`` reports the engine's queue (the
 prefill pool scales on queued prompt tokens) and the recent P95 of the time
@@ -26,6 +28,7 @@ from actors.engine_stats import EngineStats, LatencyWindow
 from actors.kv_handoff import PrefillResult
 from actors.outputs import SequenceDelta, SequenceTiming
 from actors.scheduler_actor import SchedulerActor
+from apps.detached import detached
 from apps.replica_stats import STATS_TIMEOUT_S, recent_latency_window
 from cluster.autoscaling_metrics import autoscaling_stats
 from scheduling.sampling_params import SamplingParams
@@ -45,16 +48,29 @@ class PrefillServer:
         if not status.ok:
             raise RuntimeError(f"the prefill scheduler actor is not healthy: {status.message}")
         self._latency: LatencyWindow = recent_latency_window()
+        self._aborts: set[asyncio.Task[None]] = set()  # aborts of cancelled calls still running
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PrefillResult:
         """The prompt's first token and KV (see ``SchedulerService.prefill``)."""
         start = time.monotonic()
-        result: PrefillResult = await self._actor.prefill.remote(request_id, prompt_ids, params)
+        try:
+            result: PrefillResult = await self._actor.prefill.remote(request_id, prompt_ids, params)
+        except asyncio.CancelledError:
+            # Cancelling the await does not end the actor's call: abort it there, from a task this
+            # cancel does not reach (apps.detached), or its pages stay taken until it finishes.
+            task = detached(self._abort(request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+            raise
         now = time.monotonic()
         # The window reads TTFT from sequence timings: a prefill's is its whole time here.
         timing = SequenceTiming(start, now, now, 1, start)
         self._latency.observe([SequenceDelta(request_id, 0, [], "", None, "length", timing=timing)], now)
         return result
+
+    async def _abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):  # the actor is gone: nothing left to free
+            await self._actor.abort.remote(request_id)
 
     async def engine_stats(self) -> EngineStats:
         stats: EngineStats = await asyncio.wait_for(self._actor.stats.remote(), STATS_TIMEOUT_S)

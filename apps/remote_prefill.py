@@ -9,13 +9,17 @@ then decodes from them (``SchedulerService.submit_prefilled``).
 
 A prefill replica that dies or fails mid-request is retried once, on whichever
 replica Serve routes to; a second failure is a 503 naming the prefill pool.
-Either way nothing is left behind: a failed prefill request dies with its
-replica or is aborted there, and this replica takes no page until the KV
+A replica that hangs (alive, no answer) counts as failed after ``timeout_s``
+(``remote_prefill_timeout_s``, default ``DEFAULT_REMOTE_PREFILL_TIMEOUT_S``):
+its call is cancelled, which aborts the prefill request there, and retried
+likewise. Either way nothing is left behind: a failed prefill request dies with
+its replica or is aborted there, and this replica takes no page until the KV
 has arrived.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,19 +31,31 @@ from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
 DEFAULT_REMOTE_PREFILL_MIN_TOKENS = 512
+# Generous on purpose: it must catch a hung replica, never a busy one (a long prompt queued behind a
+# full prefill batch), and a client still hears back within two attempts of it (docs/disaggregation.md).
+DEFAULT_REMOTE_PREFILL_TIMEOUT_S = 60.0
 PREFILL_ATTEMPTS = 2
+
+
+def check_remote_options(min_tokens: int, timeout_s: float) -> None:
+    """Refuse ``remote_prefill_min_tokens`` below 1 and a ``remote_prefill_timeout_s`` that is not > 0."""
+    if min_tokens < 1:
+        raise InvalidParameterError("remote_prefill_min_tokens", f"must be >= 1, got {min_tokens}")
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise InvalidParameterError("remote_prefill_timeout_s", f"must be a number > 0, got {timeout_s!r}")
 
 
 class RemotePrefill:
     """The prefill pool (a Serve handle to ``PrefillServer``) as seen from one decode replica."""
 
     def __init__(self, handle: Any, actor: Any, *, min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+                 timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
                  record: Callable[..., None] | None = None) -> None:
-        if min_tokens < 1:
-            raise InvalidParameterError("remote_prefill_min_tokens", f"must be >= 1, got {min_tokens}")
+        check_remote_options(min_tokens, timeout_s)
         self.handle = handle
         self.actor = actor
         self.min_tokens = min_tokens
+        self.timeout_s = timeout_s
         self.num_remote = 0
         self.num_retries = 0
         self.transfer_bytes = 0
@@ -63,13 +79,13 @@ class RemotePrefill:
         for attempt in range(PREFILL_ATTEMPTS):
             start = time.monotonic()
             try:
-                result: PrefillResult = await self.handle.prefill.remote(f"{request_id}.p{attempt}", prompt_ids, params)
+                result = await self._prefill(f"{request_id}.p{attempt}", prompt_ids, params)
                 handed = time.monotonic()
                 num: int = await self.actor.submit_prefilled.remote(
                     replace(result, request_id=request_id), prompt_ids, params, handed - start, consumer_id=consumer_id)
             except InvalidParameterError:
                 raise  # the request's fault: no other replica would take it either
-            except Exception as exc:  # a replica died or failed mid-request: try another
+            except Exception as exc:  # a replica died, failed or hung mid-request: try another
                 last = exc
                 if attempt + 1 < PREFILL_ATTEMPTS:
                     self.num_retries += 1
@@ -85,3 +101,15 @@ class RemotePrefill:
             return num
         raise APIError(503, f"the prefill pool failed this request {PREFILL_ATTEMPTS} times ({type(last).__name__}: "
                             f"{last}); retry the request", code="prefill_unavailable")
+
+    async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PrefillResult:
+        """One remote prefill; after ``timeout_s`` without a result its call is cancelled and it fails."""
+        response = self.handle.prefill.remote(request_id, prompt_ids, params)
+        try:
+            result: PrefillResult = await asyncio.wait_for(response, self.timeout_s)
+        except TimeoutError:
+            # Awaiting no more does not stop the call: cancel it, so the replica ends it and its
+            # scheduler aborts the request (apps.prefill_server), whenever that replica wakes.
+            response.cancel()
+            raise TimeoutError(f"no prefill result within {self.timeout_s} s") from None
+        return result

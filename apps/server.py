@@ -54,7 +54,11 @@ from apps.detached import detached
 from apps.errors import APIError
 from apps.local_scheduler import LocalScheduler
 from apps.prompt_encoder import PromptEncoder
-from apps.remote_prefill import DEFAULT_REMOTE_PREFILL_MIN_TOKENS, RemotePrefill
+from apps.remote_prefill import (
+    DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+    DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
+    RemotePrefill,
+)
 from apps.replica_stats import ReplicaStats
 from apps.request_body import read_body
 from apps.request_kind import RequestKind
@@ -112,7 +116,8 @@ class LLMServer(ReplicaStats):
                  api_keys: str | list[str] | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
                  scheduler_placement: str = DEFAULT_PLACEMENT, prefill: Any = None,
-                 remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS) -> None:
+                 remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+                 remote_prefill_timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
         check_placement(scheduler_placement, scheduler_options)
         self.auth = ApiKeyAuth.resolve(api_keys)
@@ -138,7 +143,8 @@ class LLMServer(ReplicaStats):
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
         # P/D: ``prefill`` is the handle of the app's prefill pool (apps.prefill_server); long prompts go there.
         self._remote = None if prefill is None else RemotePrefill(
-            prefill, self._actor, min_tokens=remote_prefill_min_tokens, record=self.metrics.record)
+            prefill, self._actor, min_tokens=remote_prefill_min_tokens, timeout_s=remote_prefill_timeout_s,
+            record=self.metrics.record)
         self._fanout = StreamFanout(self._actor, replica_id, observer=self.latency_observer(self.metrics.observe))
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 

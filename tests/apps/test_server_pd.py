@@ -1,9 +1,11 @@
 """A disaggregated app (``pd``) on a real local Serve: long prompts prefill on the prefill pool and decode on the
-decode replica with the same greedy output as in process; short ones stay local; a dead prefill pool is a clear 503
-and leaves no page behind."""
+decode replica with the same greedy output as in process; short ones stay local; a dead or hung prefill pool is a
+clear 503 and leaves no page behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +78,26 @@ def test_a_dead_prefill_pool_is_a_clear_503_and_frees_everything(live: LiveServe
         out = api.completions.create(model="tiny", prompt=SHORT, max_tokens=4, temperature=0.0)
         assert out.choices[0].finish_reason in ("stop", "length")
         dead.decode.assert_pages_free()
+
+
+def test_a_hung_prefill_replica_times_out_to_a_503_and_frees_everything(live: LiveServer, tiny_model_dir: Path) -> None:
+    """The prefill scheduler stopped (SIGSTOP: alive, answering nothing): each attempt ends after
+    ``remote_prefill_timeout_s`` and is cancelled; once the process wakes, both replicas end with every page free."""
+    with pd_app(live, tiny_model_dir, "pd-hung", remote_prefill_timeout_s=1.0) as hung:
+        assert hung.prefill.actor_name is not None
+        actor = ray.get_actor(hung.prefill.actor_name, namespace=ACTOR_NAMESPACE)
+        pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=TIMEOUT)
+        api = client(hung.decode)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(APIStatusError) as info:
+                api.completions.create(model="tiny", prompt=LONG[0], max_tokens=8, temperature=0.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert info.value.status_code == 503 and "no prefill result within 1.0 s" in str(info.value), info.value
+        hung.assert_pages_free()
+        # Awake again, it serves: the next long prompt prefills there.
+        steps = hung.prefill.stats().num_steps
+        api.completions.create(model="tiny", prompt=LONG[1], max_tokens=4, temperature=0.0)
+        assert hung.prefill.stats().num_steps > steps
+        hung.assert_pages_free()

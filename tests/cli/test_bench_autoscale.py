@@ -16,6 +16,7 @@ from cli.bench.autoscale import (
     samples_json,
     summarize,
 )
+from cli.bench.autoscale_plot import plot_timeline
 from cli.bench.autoscale_routing import HEADER_CHARS, build_workload
 from cli.main import build_parser
 
@@ -75,9 +76,6 @@ def test_cli_parses_a_short_profile() -> None:
 
 
 def test_timeline_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    from cli.bench.autoscale_plot import plot_timeline
-
     samples = samples_json(RunResult(samples=[sample(1, 1), sample(2, 2), sample(3, 3)]))
     out = plot_timeline({"a": samples, "b": samples}, tmp_path / "t.png", slo_ttft_ms=100, slo_tpot_ms=10)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

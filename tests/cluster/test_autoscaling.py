@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ray.serve import autoscaling_policy
+from ray.serve import config as serve_config
+from ray.serve._private import autoscaling_state
 
 from actors.engine_stats import EngineStats
 from cluster.autoscaling import (
@@ -278,9 +281,6 @@ def test_adapter_rejects_bounds_in_policy_kwargs() -> None:
 
 def test_adapter_through_serve_2_60_policy_machinery() -> None:
     """Serve's own resolution and wrapper (no cluster): class + kwargs -> (int, dict)."""
-    serve_config = pytest.importorskip("ray.serve.config")
-    autoscaling_policy = pytest.importorskip("ray.serve.autoscaling_policy")
-    autoscaling_state = pytest.importorskip("ray.serve._private.autoscaling_state")
     config = serve_config.AutoscalingConfig(
         min_replicas=1, max_replicas=8, upscale_delay_s=0, downscale_delay_s=0,
         policy=serve_config.AutoscalingPolicy(

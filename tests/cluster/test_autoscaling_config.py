@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from ray.serve import config as serve_config
 
 from actors.engine_stats import EngineStats, LatencyWindow
 from actors.outputs import SequenceDelta, SequenceTiming
@@ -31,7 +32,6 @@ def test_flotilla_policy_config_zeroes_serves_own_delays() -> None:
     assert cfg["upscale_delay_s"] == 0 and cfg["downscale_delay_s"] == 0
     assert cfg["policy"] == {"policy_function": POLICY_PATH,
                              "policy_kwargs": {"slo_ttft_ms": 800, "upscale_delay_s": 5}}
-    serve_config = pytest.importorskip("ray.serve.config")
     serve_config.AutoscalingConfig(**cfg)  # Serve accepts it as is
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ray.serve import config as serve_config
 
 from actors.engine_stats import EngineStats
 from cluster.autoscaling import (
@@ -218,7 +219,6 @@ def test_serve_config_carries_each_pools_options() -> None:
     assert (decode["max_replicas"], decode["upscale_delay_s"], decode["downscale_delay_s"]) == (8, 0.0, 0.0)
     default = serve_autoscaling_config({"policy": "default", "pool": "decode", "max_replicas": 2})
     assert "pool" not in default and default["max_replicas"] == 2
-    serve_config = pytest.importorskip("ray.serve.config")
     for cfg in (prefill, decode, default):
         serve_config.AutoscalingConfig(**cfg)  # Serve accepts them as they are
 

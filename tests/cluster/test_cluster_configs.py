@@ -32,6 +32,7 @@ from ray.autoscaler._private.resource_demand_scheduler import (
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
+from apps.builder import build_app
 from scripts.e2e.check_serving import app_status, serve_url
 from scripts.e2e.node_requirements import node_requirements
 from scripts.e2e.render_config import loopback_config
@@ -303,10 +304,25 @@ def test_rayservice_serve_config_is_a_serve_deploy_config(rayservice: dict[str, 
 
 
 def test_rayservice_app_args_build_the_application(rayservice: dict[str, Any]) -> None:
-    from apps.builder import build_app
-
+    """Every application's args build (unknown keys and bad values raise, naming the field) into the app
+    they describe, and the deployment overrides name a deployment the app has."""
     for app in yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]:
-        build_app(app["args"])  # unknown keys and bad values raise, naming the field
+        args = app["args"]
+        deployment = build_app(args)._bound_deployment
+        assert {d["name"] for d in app.get("deployments", [])} <= {deployment.name}
+        (engine,) = deployment.init_args
+        assert engine["model"] == args["model"] and engine["max_model_len"] == args["max_model_len"]
+        assert deployment.init_kwargs["served_model_name"] == args["served_model_name"]
+        assert deployment.init_kwargs["scheduler_options"] == args["scheduler_options"]
+        config = deployment._deployment_config
+        assert config.graceful_shutdown_timeout_s == args["graceful_shutdown_timeout_s"]
+        autoscaling = config.autoscaling_config
+        assert (autoscaling.min_replicas, autoscaling.max_replicas) == (args["autoscaling"]["min_replicas"],
+                                                                        args["autoscaling"]["max_replicas"])
+        slos = {k: v for k, v in args["autoscaling"].items() if k.startswith("slo_")}
+        assert autoscaling.policy.policy_kwargs == slos
+        if args.get("request_router") == "prefix":
+            assert config.request_router_config.request_router_class.endswith("PrefixAwareRequestRouter")
 
 
 def test_image_pins_match_the_cluster_and_the_makefile() -> None:

@@ -6,8 +6,10 @@ over K and V and no gather copy, on pages in the model dtype or quantized
 (int8 / fp8 e4m3 with per-token, per-head scales); and ``quantize_write``,
 which stores a step's k and v into quantized pages (source:
 ``csrc/paged_decode.cpp``). ``get_quant_gemm`` hands out the weight-only
-int8/int4 products of ``actors.models.quant_linear`` (``csrc/quant_gemm.cpp``,
-built into the same module). It is
+int8/int4 products of ``actors.models.quant_linear`` (``csrc/quant_gemm.cpp``)
+and ``get_gemv`` the float32 product of one or two rows that
+``actors.models.cpu_linear`` may pick for batch-1 decode (``csrc/gemv.cpp``),
+both built into the same module. It is
 built with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ``ninja``) into
 ``$FLOTILLA_CACHE_DIR/torch_extensions/<machine key>``, so a machine builds it
@@ -45,6 +47,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"  # holds the module's bindings
 QUANT_GEMM_SOURCE = SOURCE.with_name("quant_gemm.cpp")
+GEMV_SOURCE = SOURCE.with_name("gemv.cpp")
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
 # Tried in order; the first that builds and loads wins.
 _VARIANTS: list[tuple[str, list[str]]] = [("native", ["-march=native"]), ("generic", [])]
@@ -53,6 +56,8 @@ _VARIANTS: list[tuple[str, list[str]]] = [("native", ["-march=native"]), ("gener
 PagedDecode = Callable[..., None]
 # (k, v, slots, k_cache, v_cache, k_scales, v_scales)
 QuantizeWrite = Callable[..., None]
+# (out, x, weight, bias)
+Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
 
 _lock = threading.Lock()
 _module: Any = None  # the loaded extension, once built
@@ -158,7 +163,7 @@ def _build() -> Any:
             with _build_lock(directory), _ninja_on_path(), _quiet_torch():
                 return cpp_extension.load(
                     name=f"flotilla_paged_decode_{variant}",
-                    sources=[str(SOURCE), str(QUANT_GEMM_SOURCE)],
+                    sources=[str(SOURCE), str(QUANT_GEMM_SOURCE), str(GEMV_SOURCE)],
                     extra_cflags=_BASE_CFLAGS + flags,
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(directory),
@@ -263,3 +268,27 @@ def get_quant_gemm() -> Any | None:
     float32 weight (N, K) itself. The layouts are in the source.
     """
     return load_extension()
+
+
+def get_gemv() -> Gemv | None:
+    """The float32 product of one or two rows, ``gemv_f32(out, x, weight, bias)`` (``csrc/gemv.cpp``), or None.
+
+    None as ``get_paged_decode`` (kernels disabled or not buildable). It
+    writes ``out`` (M, N) = ``x`` (M, K) @ ``weight`` (N, K)^T + ``bias`` (N,)
+    or no bias; every tensor float32, contiguous, on the CPU; M is 1 or 2,
+    any K. ``gemv_isa()`` names the vector path it was built with.
+    """
+    module = load_extension()
+    if module is None:
+        return None
+    op: Gemv = module.gemv_f32
+    return op
+
+
+def gemv_isa() -> str | None:
+    """The vector path the loaded ``gemv_f32`` runs: ``avx512``, ``avx2`` or ``scalar``; None without the kernel."""
+    module = load_extension()
+    if module is None:
+        return None
+    isa: str = module.gemv_isa()
+    return isa

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from actors.models import cpu_linear
 from actors.models.quant_linear import Int8Blocks, Int8Linear
 
 REFINE_TOP_K = 32  # logits per row an int8 head recomputes in float32
@@ -88,7 +89,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._int8_logits(hidden) if self.quant is not None else F.linear(hidden, self.weight)
+        logits = self._int8_logits(hidden) if self.quant is not None else cpu_linear.dense(hidden, self.weight, None)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)

@@ -162,7 +162,7 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         """Add a oneDNN-packed copy of the loaded weight (``cpu_linear``); False keeps it dense only.
 
         The dense weight stays too: products of at most ``cpu_linear.DENSE_MAX_ROWS``
-        rows (batch-1 decode) read it through MKL, which streams it faster.
+        rows (batch-1 decode) stream it faster (``cpu_linear.dense``).
         A quantized layer has no float weight to pack: False.
         """
         if self.quant is not None:
@@ -180,7 +180,7 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
             return y if bias is None else y + bias
         if self.packed is not None and x.shape[0] > cpu_linear.DENSE_MAX_ROWS:
             return cpu_linear.linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+        return cpu_linear.dense(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
@@ -463,11 +464,14 @@ void quantize_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots, torch
                        : quantize_write_impl<c10::BFloat16, c10::Float8_e4m3fn>(k, v, sd, k_cache, v_cache, k_scales, v_scales);
 }
 
-// The extension's other source, quant_gemm.cpp: weight-only int8/int4 products (one module for both files).
+// The extension's other sources (one module for all): quant_gemm.cpp, weight-only int8/int4 products.
 void int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size);
 void int4_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor dm, int64_t group_size);
 void int8_dequant(torch::Tensor out, torch::Tensor q, torch::Tensor scales, int64_t group_size);
 void int4_dequant(torch::Tensor out, torch::Tensor codes, torch::Tensor dm, int64_t group_size);
+// And gemv.cpp: float32 products of one or two rows (batch-1 decode's linear layers).
+void gemv_f32(torch::Tensor out, torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+std::string gemv_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention into out, in place",
@@ -480,4 +484,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, "out = x @ (codes * d + m)^T, float32", py::call_guard<py::gil_scoped_release>());
   m.def("int8_dequant", &int8_dequant, "out = q * scales per group", py::call_guard<py::gil_scoped_release>());
   m.def("int4_dequant", &int4_dequant, "out = codes * d + m", py::call_guard<py::gil_scoped_release>());
+  m.def("gemv_f32", &gemv_f32, "out = x @ weight^T (+ bias), float32, one or two rows", py::arg("out"),
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("gemv_isa", &gemv_isa, "The vector path gemv_f32 was built with: avx512, avx2 or scalar");
 }

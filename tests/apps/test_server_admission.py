@@ -8,6 +8,7 @@ of 2 and a queue of 2: a replica holds at most 4 requests.
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,12 @@ def test_valid_keys_are_let_in_by_every_client(guarded: LiveServer) -> None:
     with flotilla.Client(guarded.url, api_key="nope", max_retries=0) as sdk, \
             pytest.raises(flotilla.AuthenticationError):
         sdk.complete("hi", max_tokens=2)
+    # The probes need no key: Serve's health check and a Prometheus scrape carry none.
     assert http(f"{guarded.url}/health")[0] == 200
-    assert http(f"{guarded.url}/metrics".replace("/metrics", "/health"))[0] == 200
+    with urllib.request.urlopen(f"{guarded.url}/metrics", timeout=TIMEOUT) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        metrics = resp.read().decode()
+    assert "flotilla:num_requests_running" in metrics and "flotilla:kv_cache_usage_perc" in metrics, metrics[:500]
 
 
 def test_a_burst_of_ten_times_capacity_gets_429_with_retry_after(guarded: LiveServer) -> None:
@@ -93,5 +98,11 @@ def test_a_burst_of_ten_times_capacity_gets_429_with_retry_after(guarded: LiveSe
 
 
 def test_scheduler_actor_of_guarded_app_is_its_own(guarded: LiveServer, live: LiveServer) -> None:
-    assert ray.get_actor(guarded.actor_name, namespace=ACTOR_NAMESPACE) is not None
-    assert guarded.actor_name != live.actor_name
+    """The guarded app's requests run on its own scheduler actor, not on the package app's."""
+    assert guarded.actor_name is not None and live.actor_name is not None
+    mine, theirs = (ray.get_actor(name, namespace=ACTOR_NAMESPACE) for name in (guarded.actor_name, live.actor_name))
+    assert mine._actor_id != theirs._actor_id
+    steps = guarded.stats().num_steps, live.stats().num_steps
+    status, body = http(f"{guarded.url}/v1/completions", {"prompt": "mine", "max_tokens": 4, "ignore_eos": True}, GOOD)
+    assert status == 200, body
+    assert guarded.stats().num_steps > steps[0] and live.stats().num_steps == steps[1]

@@ -1,9 +1,11 @@
 """Elasticity on a real local Ray cluster: prefix affinity, drain on scale-down, autoscaling.
 
-One Ray cluster and one app for the module; the tests run in order and reshape
-the app with ``serve.run`` (replica count and autoscaling are lightweight
-updates: the replicas that stay keep running). Replicas are small (a tenth of
-a CPU, two sequences each) so replica capacity, not the machine, runs out.
+One Ray cluster and one app for the module. Each test first reshapes the app
+to the replicas it needs with ``serve.run`` and waits for exactly them
+(replica count and autoscaling are lightweight updates: the replicas that stay
+keep running), so none depends on what an earlier one left. Replicas are small
+(a tenth of a CPU, two sequences each) so replica capacity, not the machine,
+runs out.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     with live_server(tiny_model_dir, **app_args(tiny_model_dir, num_replicas=3)) as live:
         wait_replicas(3)
         yield live
+
+
+def reshape(model_dir: Path, num_replicas: int) -> None:
+    """The app with exactly ``num_replicas`` running (and none starting or stopping) when this returns."""
+    serve.run(build_app(app_args(model_dir, num_replicas=num_replicas)), name="flotilla", route_prefix="/")
+    wait_replicas(num_replicas)
 
 
 def replica_states() -> dict[str, int]:
@@ -109,8 +117,9 @@ def completion(url: str, prompt: str, headers: dict[str, str] | None = None) -> 
     return body
 
 
-def test_shared_prefix_requests_stick_to_one_replica(server: LiveServer) -> None:
+def test_shared_prefix_requests_stick_to_one_replica(server: LiveServer, tiny_model_dir: Path) -> None:
     """With 3 replicas, every repeat of a document hits the prefix cache of the replica that has it."""
+    reshape(tiny_model_dir, 3)  # with one replica every repeat would hit the cache, routed or not
     for doc in DOCS:
         first = completion(server.url, doc + "Q0", {"X-Flotilla-Prefix": doc})
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -122,11 +131,13 @@ def test_shared_prefix_requests_stick_to_one_replica(server: LiveServer) -> None
 
 def test_scale_down_drains_in_flight_streams(server: LiveServer, tiny_model_dir: Path) -> None:
     """Removing two of three replicas while six long streams run on them loses none."""
+    reshape(tiny_model_dir, 3)
     streams = [Stream(server.url, f"stream {i}: tell me about the tides", 480) for i in range(6)]
     for s in streams:
         s.start()
     for s in streams:
         assert s.started.wait(DEADLINE_S)
+    assert replica_states() == {"RUNNING": 3}  # the scale-down is from three, whatever ran before
     serve.run(build_app(app_args(tiny_model_dir, num_replicas=1)), name="flotilla", route_prefix="/")
     for s in streams:
         s.join(DEADLINE_S)
@@ -140,6 +151,7 @@ def test_autoscaling_up_under_a_burst_and_back_down(server: LiveServer, tiny_mod
     to the minimum; no request fails on the way up or down."""
     autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica": 1,
                    "upscale_delay_s": 0, "downscale_delay_s": 5, "look_back_period_s": 2}
+    reshape(tiny_model_dir, 1)  # the burst starts from one replica, whatever ran before
     serve.run(build_app(app_args(tiny_model_dir, autoscaling=autoscaling)), name="flotilla", route_prefix="/")
     wait_replicas(1)
     streams = [Stream(server.url, f"burst {i}", 300) for i in range(8)]

@@ -7,8 +7,14 @@ flotilla dequantizes to fp32 at load; ``llama-quantize --allow-requantize
 Each run: ``llama-bench -p P -n N -d P`` (prefill of P tokens; decode of N
 tokens after P of context), then ``flotilla bench offline``'s ``batch1``
 (one request of P prompt tokens, N generated, greedy; fp32), interleaved
-run by run so machine noise hits both alike. Prints one JSON object: every
-run, the medians and the ratios flotilla / llama.cpp.
+run by run so machine noise hits both alike. Prints one JSON object: the CPU
+model, every run, the medians and the ratios flotilla / llama.cpp.
+
+``--gemv auto native torch`` runs flotilla once per value of ``FLOTILLA_GEMV``
+in every run (default: ``auto`` alone): the kernel of its one- and two-row
+float32 products chosen by timing, forced native (``kvcache/csrc/gemv.cpp``),
+or forced ``F.linear`` (MKL). Each flotilla run records the kernel it used
+(``cpu_gemv``); forcing native shows what a machine whose MKL is slow gets.
 
     make peer-llamacpp     # once: builds .peer-llamacpp (git-ignored)
     .venv/bin/python scripts/bench_batch1_vs_llamacpp.py --runs 3
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -80,7 +87,17 @@ def llama_gguf(peer: Path, preset: str, weights: str) -> Path:
     return requantized_gguf(peer, preset, "Q8_0" if weights == "int8" else "F32")
 
 
-def flotilla_batch1(preset: str, threads: int, prompt: int, gen: int, quantization: str | None) -> dict[str, float]:
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (figures are only comparable on the same one)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+
+
+def flotilla_batch1(preset: str, threads: int, prompt: int, gen: int, quantization: str | None,
+                    gemv: str) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write(json.dumps({"prompt_token_ids": list(range(1000, 1000 + prompt)), "max_tokens": 2}) + "\n")
     try:
@@ -89,11 +106,14 @@ def flotilla_batch1(preset: str, threads: int, prompt: int, gen: int, quantizati
                "--cpu-threads", str(threads), "--batch1-prompt-len", str(prompt), "--batch1-tokens", str(gen)]
         if quantization is not None:
             cmd += ["--quantization", quantization]
-        proc = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+        env = {**os.environ, "FLOTILLA_GEMV": gemv}
+        proc = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, env=env)
     finally:
         os.unlink(f.name)
-    b1 = json.loads(proc.stdout.strip().splitlines()[-1])["batch1"]
-    return {"prefill_tok_per_s": b1["prefill_tok_per_s"], "decode_tok_per_s": b1["decode_tok_per_s"]}
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    b1 = report["batch1"]
+    return {"prefill_tok_per_s": b1["prefill_tok_per_s"], "decode_tok_per_s": b1["decode_tok_per_s"],
+            "cpu_gemv": report.get("cpu_gemv")}
 
 
 def main() -> int:
@@ -105,6 +125,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--weights", choices=tuple(WEIGHTS), default="fp32")
     ap.add_argument("--peer", default=str(ROOT / ".peer-llamacpp"), help="llama.cpp built by make peer-llamacpp")
+    ap.add_argument("--gemv", nargs="+", choices=("auto", "native", "torch"), default=["auto"],
+                    help="FLOTILLA_GEMV values to run flotilla with, each in every run")
     args = ap.parse_args()
     peer = Path(args.peer)
     if not (peer / "bin" / "llama-bench").exists():
@@ -112,18 +134,22 @@ def main() -> int:
         return 2
     gguf = llama_gguf(peer, args.preset, args.weights)
     quantization, description = WEIGHTS[args.weights]
+    engines = ["llama.cpp"] + [f"flotilla:{mode}" for mode in args.gemv]
     runs: list[dict[str, Any]] = []
     for k in range(args.runs):
-        runs.append({"run": k, "llama.cpp": llama_bench(peer, gguf, args.threads, args.prompt, args.gen),
-                     "flotilla": flotilla_batch1(args.preset, args.threads, args.prompt, args.gen, quantization)})
-        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    medians = {engine: {key: statistics.median(r[engine][key] for r in runs)
-                        for key in ("prefill_tok_per_s", "decode_tok_per_s")} for engine in ("llama.cpp", "flotilla")}
-    ratios = {key: round(medians["flotilla"][key] / medians["llama.cpp"][key], 3)
-              for key in ("prefill_tok_per_s", "decode_tok_per_s")}
-    print(json.dumps({"preset": args.preset, "weights": description,
+        run: dict[str, Any] = {"run": k, "llama.cpp": llama_bench(peer, gguf, args.threads, args.prompt, args.gen)}
+        for mode in args.gemv:
+            run[f"flotilla:{mode}"] = flotilla_batch1(args.preset, args.threads, args.prompt, args.gen,
+                                                      quantization, mode)
+        runs.append(run)
+        print(json.dumps(run), file=sys.stderr, flush=True)
+    keys = ("prefill_tok_per_s", "decode_tok_per_s")
+    medians = {engine: {key: statistics.median(r[engine][key] for r in runs) for key in keys} for engine in engines}
+    ratios = {engine: {key: round(medians[engine][key] / medians["llama.cpp"][key], 3) for key in keys}
+              for engine in engines[1:]}
+    print(json.dumps({"preset": args.preset, "weights": description, "cpu": cpu_model(),
                       "threads": args.threads, "prompt_tokens": args.prompt, "gen_tokens": args.gen,
-                      "runs": runs, "median": medians, "flotilla_over_llamacpp": ratios}, indent=2))
+                      "runs": runs, "median": medians, "over_llamacpp": ratios}, indent=2))
     return 0
 
 

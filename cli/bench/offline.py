@@ -9,7 +9,9 @@ of ``batch1_prompt_len`` token ids (the workload's first prompt, repeated or
 cut), greedy, ``batch1_tokens`` tokens, run three times. Its first step is
 the whole prefill (prefill tok/s = prompt tokens / that step's time); the
 median of the other steps gives batch-1 decode tok/s, the figure to set
-beside ``llama-bench``'s ``tg``. Prints one JSON object.
+beside ``llama-bench``'s ``tg``. ``cpu_gemv`` says which kernel ran this
+process's float32 products of one or two rows (``actors.models.cpu_linear``;
+null when the model loaded none). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from actors.models import cpu_linear
 from apps.llm import LLM
 from cli.bench.workload import read_workload
 from scheduling.sampling_params import SamplingParams
@@ -90,5 +93,6 @@ def run(model: str, workload: str | Path, *, progress: bool = False, batch1_prom
         "peak_rss_mib": peak_rss_mib(),
         "kv_pool_mib": round(cap.bytes / 2**20, 1),
         "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:4]],
+        "cpu_gemv": choice.report() if (choice := cpu_linear.current_few_rows_choice()) else None,
         **extra,
     }

@@ -31,9 +31,10 @@ identical; ``divergences`` and ``base_min_margin_quantiles``
 itself was to another token there; ``mean_kl`` / ``max_kl`` are KL(base || against) of the full
 next-token distributions (float64 log-softmax) over every output position
 of every request; ``token_top1_agreement`` is the share of those positions
-where both argmaxes agree, ``perplexity_ratio`` the against engine's
-perplexity on the held-out text over the base's (``accuracy_forced``). The base's float32 logits are held in memory until the
-against engine has run (requests x tokens x vocab x 4 bytes: 20 x 64 tokens
+where both argmaxes agree (``token_top1_matches`` of them),
+``perplexity_ratio`` the against engine's perplexity on the held-out text
+over the base's (``accuracy_forced``). The base's float32 logits are held
+in memory until the against engine has run (requests x tokens x vocab x 4 bytes: 20 x 64 tokens
 of SmolLM2's 49152-token vocabulary are 250 MB).
 
 KV pages at equal memory: each engine's pool is sized as usual (that drives

@@ -27,6 +27,8 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "mistral": mistral_config,
 }
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout the tests import
+
 
 @pytest.fixture(autouse=True)
 def _single_thread_torch() -> Iterator[None]:
@@ -73,17 +75,18 @@ def tiny_dir(flotilla_cache: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    """One private local Ray cluster on loopback per module that asks; auth off for it."""
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    # address="local": never attach to another cluster running on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old
+    """One private local Ray cluster on loopback per module that asks; auth off for it.
+
+    Its workers import this checkout (PYTHONPATH), so a test may run its own helpers
+    inside a live actor (``actor.__ray_call__``, as ``tests.actors.step_faults`` does).
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        # address="local": never attach to another cluster running on this machine.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()

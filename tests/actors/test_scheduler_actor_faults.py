@@ -9,9 +9,7 @@ Faults are injected into the live actor (``tests.actors.step_faults``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +28,6 @@ from tests.actors.step_faults import (
     break_settling,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256,
                           "dtype": "float32", "device": "cpu", "num_kv_pages": 64}
 PROMPT = [5 + (j * 7) % 200 for j in range(40)]  # two full pages and a part
@@ -46,22 +43,8 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
     return EngineConfig(model=str(write_llama_with_tokenizer(tmp_path_factory.mktemp("actor_faults"))), **ENGINE)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    """One local Ray cluster for the module; its workers import this checkout (the fault helpers run there)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-
-
 @pytest.fixture
-def actor(cluster: None, config: EngineConfig) -> Iterator[Any]:
+def actor(ray_cluster: None, config: EngineConfig) -> Iterator[Any]:
     """A fresh scheduler actor per test (each test breaks its own); killed after."""
     handle = SchedulerActor.remote(config)
     try:

@@ -16,12 +16,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from actors.engine import LLMEngine
-from actors.engine_config import EngineConfig
+from actors.engine.config import EngineConfig
+from actors.engine.executor import Executor
+from actors.engine.llm_engine import LLMEngine
+from actors.engine.outputs import CompletionOutput, RequestOutput
+from actors.engine.prompt_ids import chat_ids
 from actors.errors import ExecutorFailure
-from actors.executor import Executor
-from actors.outputs import CompletionOutput, RequestOutput
-from actors.prompt_ids import chat_ids
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
@@ -40,7 +40,9 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_config)
         executor: Executor | None = None
         if self.config.executor == "ray":
-            from actors.ray_executor import RayExecutor  # Ray is imported only when asked for
+            from actors.remote.ray_executor import (
+                RayExecutor,  # Ray is imported only when asked for
+            )
 
             executor = RayExecutor(self.config)
         try:

@@ -14,7 +14,7 @@ that loop; called from any other thread's loop (Serve may call the stats
 hooks elsewhere) it is handed over with ``run_coroutine_threadsafe``.
 
 Threads: Serve reserves one CPU for every replica unless told otherwise,
-and ``actors.cpu_threads`` would turn that reservation into a one-thread
+and ``actors.remote.cpu_threads`` would turn that reservation into a one-thread
 forward. That default is not a choice of threads, so here the forward takes
 ``cpu_threads`` if set, else the replica's reserved whole CPUs when they are
 more than that default one, else every usable core: what the scheduler actor
@@ -33,9 +33,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
-from actors.cpu_threads import ray_reserved_cpus, usable_cores
-from actors.engine_config import EngineConfig
-from actors.scheduler_actor import SchedulerService
+from actors.engine.config import EngineConfig
+from actors.remote.cpu_threads import ray_reserved_cpus, usable_cores
+from actors.remote.scheduler_actor import SchedulerService
 
 # The service methods a replica calls; anything else is a programming error, not a silent no-op.
 METHODS = ("submit", "abort", "next_outputs", "stats", "health", "shutdown", "generate")

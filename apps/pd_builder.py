@@ -29,8 +29,8 @@ from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
-from actors.engine_config import EngineConfig
-from actors.kv_handoff import check_decode_drafting
+from actors.engine.config import EngineConfig
+from actors.engine.disaggregation import check_decode_drafting
 from apps.prefill_server import PrefillServer
 from apps.remote_prefill import (
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,

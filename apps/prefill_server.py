@@ -23,11 +23,11 @@ from typing import Any
 import ray
 from ray import serve
 
-from actors.engine_config import EngineConfig
-from actors.engine_stats import EngineStats, LatencyWindow
-from actors.kv_handoff import PrefillResult
-from actors.outputs import SequenceDelta, SequenceTiming
-from actors.scheduler_actor import SchedulerActor
+from actors.engine.config import EngineConfig
+from actors.engine.disaggregation import PrefillResult
+from actors.engine.outputs import SequenceDelta, SequenceTiming
+from actors.engine.stats import EngineStats, LatencyWindow
+from actors.remote.scheduler_actor import SchedulerActor
 from apps.detached import detached
 from apps.replica_stats import STATS_TIMEOUT_S, recent_latency_window
 from cluster.autoscaling_metrics import autoscaling_stats

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from actors.kv_handoff import PrefillResult
+from actors.engine.disaggregation import PrefillResult
 from apps.errors import APIError
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams

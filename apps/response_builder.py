@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.outputs import SequenceDelta
+from actors.engine.outputs import SequenceDelta
 from apps import protocol as p
 from apps.request_kind import RequestKind
 from apps.tool_deltas import chunk_deltas, finish_reason

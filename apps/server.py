@@ -44,9 +44,9 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.engine_config import EngineConfig
-from actors.loader import load_tokenizer, resolve_model_path
-from actors.scheduler_actor import SchedulerActor
+from actors.engine.config import EngineConfig
+from actors.load.loader import load_tokenizer, resolve_model_path
+from actors.remote.scheduler_actor import SchedulerActor
 from apps import protocol as p
 from apps import request_params as rq
 from apps.auth import ApiKeyAuth

@@ -5,7 +5,7 @@ Each ``LLMServer`` replica registers with its ``SchedulerActor`` under one
 loop. Every ``StepMessage`` carries all of this replica's deltas for an engine
 step; the task puts each delta on the asyncio queue of its request. So the
 replica makes at most one Ray call per engine step, however many requests
-stream at once (see ``actors.step_messages``).
+stream at once (see ``actors.remote.step_messages``).
 
 Protocol for a request: ``open(request_id)`` BEFORE ``submit`` (so no delta can
 arrive for an unknown request), read the queue until every sequence finished,
@@ -33,7 +33,7 @@ from typing import Any
 from ray.exceptions import ActorDiedError
 from starlette.responses import StreamingResponse
 
-from actors.outputs import SequenceDelta
+from actors.engine.outputs import SequenceDelta
 from apps.detached import detached
 from apps.errors import APIError
 

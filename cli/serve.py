@@ -22,7 +22,7 @@ import signal
 import time
 from typing import Any
 
-from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from actors.load.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
 from kvcache.kv_dtypes import KV_CACHE_DTYPES
@@ -177,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
                                           starts_cluster=started_ray and not os.environ.get("RAY_ADDRESS")))
     from ray import serve  # after the ingress settings (above)
 
-    from actors.loader import resolve_model_path
+    from actors.load.loader import resolve_model_path
     from apps.builder import build_app
 
     application = build_app(app_args(args))  # validates the engine options before Ray starts

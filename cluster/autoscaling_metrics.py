@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine_stats import EngineStats
+from actors.engine.stats import EngineStats
 
 # Keys of the custom metrics a replica reports through ``record_autoscaling_stats``.
 METRIC_NUM_WAITING = "flotilla_num_waiting"

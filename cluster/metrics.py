@@ -31,8 +31,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from actors.engine_stats import EngineStats
-from actors.outputs import SequenceDelta
+from actors.engine.outputs import SequenceDelta
+from actors.engine.stats import EngineStats
 from cluster.metric_families import (
     REPLICA_FAMILIES,
     REPLICA_LABELS,

@@ -38,7 +38,7 @@ FINISH_LENGTH = "length"
 
 
 class TextStream(Protocol):
-    """Text of one sequence produced token by token (``actors.detokenizer.IncrementalDetokenizer``)."""
+    """Text of one sequence produced token by token (``actors.engine.detokenizer.IncrementalDetokenizer``)."""
 
     def add(self, token_id: int) -> str:
         """Append one generated token; the text it completes (maybe "")."""

@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from actors.presets import preset_gguf_path
+from actors.load.presets import preset_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 

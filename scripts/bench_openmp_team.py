@@ -1,6 +1,6 @@
 """One decode step with the model loaded on the forward's thread vs on another live thread.
 
-Why it matters: see ``actors/cpu_threads.py`` (one OpenMP team per process).
+Why it matters: see ``actors/remote/cpu_threads.py`` (one OpenMP team per process).
 Each run is a fresh process, because OpenMP teams live as long as their
 thread; modes alternate so the noise of a shared host falls on both alike.
 

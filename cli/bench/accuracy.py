@@ -59,9 +59,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from actors.engine_config import EngineConfig
-from actors.executor import LocalExecutor
-from actors.model_runner import ModelRunner
+from actors.engine.config import EngineConfig
+from actors.engine.executor import LocalExecutor
+from actors.model.runner import ModelRunner
 from apps.llm import LLM
 from cli.bench.accuracy_divergence import divergences, margin_quantiles
 from cli.bench.accuracy_forced import (

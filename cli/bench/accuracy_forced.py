@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from actors.model_runner import ModelRunner
-from kvcache.attention_backend import StepLayout
+from actors.model.runner import ModelRunner
+from kvcache.attention.backend import StepLayout
 from scheduling.errors import InvalidParameterError
 
 HELDOUT_PATH = Path(__file__).parent / "data" / "heldout_prose.txt"

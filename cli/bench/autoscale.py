@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from actors.engine_stats import percentile
+from actors.engine.stats import percentile
 from cli.bench.stream_client import stream_request, tpot_s
 
 

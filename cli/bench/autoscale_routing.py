@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from actors.engine_stats import percentile
+from actors.engine.stats import percentile
 from cli.bench.autoscale import RequestRecord, make_prompt, stream_completion
 
 PREFIX_HEADER = "X-Flotilla-Prefix"

@@ -10,7 +10,7 @@ cut), greedy, ``batch1_tokens`` tokens, run three times. Its first step is
 the whole prefill (prefill tok/s = prompt tokens / that step's time); the
 median of the other steps gives batch-1 decode tok/s, the figure to set
 beside ``llama-bench``'s ``tg``. ``cpu_gemv`` says which kernel ran this
-process's float32 products of one or two rows (``actors.models.cpu_linear``;
+process's float32 products of one or two rows (``actors.model.models.cpu_linear``;
 null when the model loaded none). Prints one JSON object.
 """
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.models import cpu_linear
+from actors.model.models import cpu_linear
 from apps.llm import LLM
 from cli.bench.workload import read_workload
 from scheduling.sampling_params import SamplingParams

@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 from ray import serve
 
-from actors.cpu_threads import usable_cores
-from actors.engine_config import EngineConfig
+from actors.engine.config import EngineConfig
+from actors.remote.cpu_threads import usable_cores
 from cli.bench.autoscale_run import deploy, local_ray
 from cli.bench.pd_bandwidth import Bandwidth, measure_bandwidth
 from cli.bench.pd_metrics import PDFigures, parse_pd_figures

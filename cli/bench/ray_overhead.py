@@ -27,8 +27,8 @@ from typing import Any
 import ray
 import torch
 
-from actors.engine_config import EngineConfig
-from actors.scheduler_actor import SchedulerActor
+from actors.engine.config import EngineConfig
+from actors.remote.scheduler_actor import SchedulerActor
 from apps.llm import LLM
 from cli.bench.workload import read_workload
 from scheduling.sampling_params import SamplingParams

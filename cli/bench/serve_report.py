@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.engine_stats import percentile
+from actors.engine.stats import percentile
 from cli.bench.stream_client import RequestResult
 from scheduling.errors import InvalidParameterError
 

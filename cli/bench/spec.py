@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.engine_config import EngineConfig
+from actors.engine.config import EngineConfig
 from apps.llm import LLM
 from cli.bench.workload import is_chat, read_workload, workload_prompt_ids
 from scheduling.errors import InvalidParameterError

@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from actors.engine import LLMEngine
+from actors.engine.llm_engine import LLMEngine
+from actors.engine.prompt_ids import chat_ids
 from actors.grammar.masks import apply_token_masks
-from actors.prompt_ids import chat_ids
 from apps.llm import LLM
 from cli.bench.spec import OFFLINE_ENGINE_DEFAULTS
 from cli.bench.structured_schemas import SchemaCase

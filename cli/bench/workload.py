@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.prompt_ids import chat_ids
+from actors.engine.prompt_ids import chat_ids
 from scheduling.errors import InvalidParameterError
 
 CHAT_ROLES = ("system", "user", "assistant")

@@ -23,8 +23,8 @@ from transformers import (
     Qwen2Config,
 )
 
-from actors.embedded_models import build_tokenizer
-from kvcache.attention_backend import AttentionBackend, StepLayout
+from actors.load.embedded import build_tokenizer
+from kvcache.attention.backend import AttentionBackend, StepLayout
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -213,7 +213,7 @@ def tensor_parallel_worker(rank: int, world_size: int, model_dirs: list[str], in
     """
     import torch.distributed as dist
 
-    from actors.loader import load_model
+    from actors.load.loader import load_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)

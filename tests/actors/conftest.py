@@ -11,7 +11,7 @@ import ray
 import torch
 from transformers import PretrainedConfig
 
-from actors.embedded_models import ensure_embedded_model
+from actors.load.embedded import ensure_embedded_model
 from tests.actors.checkpoints import (
     llama3_config,
     llama_config,

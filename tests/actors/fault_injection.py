@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import ray
 
-from actors.engine_config import EngineConfig
+from actors.engine.config import EngineConfig
+from actors.engine.executor import Executor, LocalExecutor
 from actors.errors import ExecutorFailure
-from actors.executor import Executor, LocalExecutor
 from scheduling.batch import Batch, StepOutput
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class FaultyExecutor(Executor):
     def __init__(self, config: EngineConfig, control: Any) -> None:
         self.inner: Executor
         if config.executor == "ray":
-            from actors.ray_executor import RayExecutor
+            from actors.remote.ray_executor import RayExecutor
 
             self.inner = RayExecutor(config)
         else:

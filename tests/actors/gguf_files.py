@@ -18,8 +18,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from transformers import LlamaConfig
 
-from actors.embedded_models import CHAT_TEMPLATE, NUM_BYTES, build_tokenizer
-from actors.gguf.convert import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from actors.load.embedded import CHAT_TEMPLATE, NUM_BYTES, build_tokenizer
+from actors.load.gguf.convert import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from tests.actors.checkpoints import build_hf_model
 
 T = GGMLQuantizationType

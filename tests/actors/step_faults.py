@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-import actors.engine
-from actors.engine_config import EngineConfig
-from actors.executor import LocalExecutor
+import actors.engine.llm_engine
+from actors.engine.config import EngineConfig
+from actors.engine.executor import LocalExecutor
 from kvcache.kv_transfer import KVPayload
 from scheduling.batch import Batch, StepOutput, TokenMasks
 
@@ -95,7 +95,7 @@ def break_finish(service: Any, times: int) -> None:
 
     The hook is the first thing ``finish_step`` calls (``collect_exports``), patched in the actor's process.
     """
-    collect = actors.engine.collect_exports
+    collect = actors.engine.llm_engine.collect_exports
     left = [times]
 
     def failing(engine: Any, batch: Batch, output: StepOutput) -> None:
@@ -104,7 +104,7 @@ def break_finish(service: Any, times: int) -> None:
             raise RuntimeError(FINISH_ERROR)
         collect(engine, batch, output)
 
-    actors.engine.collect_exports = failing  # type: ignore[assignment]
+    actors.engine.llm_engine.collect_exports = failing  # type: ignore[assignment]
 
 
 def break_settling(service: Any) -> None:

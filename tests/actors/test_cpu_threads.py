@@ -1,4 +1,4 @@
-"""How many torch threads an engine's forward gets on CPU (``actors.cpu_threads``)."""
+"""How many torch threads an engine's forward gets on CPU (``actors.remote.cpu_threads``)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ import pytest
 import ray
 import torch
 
-from actors import shard_actor
-from actors.cpu_threads import (
+from actors.engine.config import EngineConfig
+from actors.engine.executor import LocalExecutor
+from actors.load.embedded import build_tokenizer
+from actors.remote import shard_actor
+from actors.remote.cpu_threads import (
     call_on_new_thread,
     engine_cpu_threads,
     engine_thread_init,
     ray_reserved_cpus,
     usable_cores,
 )
-from actors.embedded_models import build_tokenizer
-from actors.engine_config import EngineConfig
-from actors.executor import LocalExecutor
-from actors.scheduler_actor import SchedulerService
+from actors.remote.scheduler_actor import SchedulerService
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from actors.detokenizer import IncrementalDetokenizer
+from actors.engine.detokenizer import IncrementalDetokenizer
 
 _CORPUS = ["hello world, the quick brown fox jumps over the lazy dog."] * 20 + [
     "héllo wörld ñandú ça va",

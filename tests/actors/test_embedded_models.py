@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.embedded_models import (
+from actors.load.embedded import (
     EMBEDDED_MODELS,
     SPECS,
     bytes_to_unicode,
     ensure_embedded_model,
     spec_hash,
 )
-from actors.loader import load_model, load_tokenizer
+from actors.load.loader import load_model, load_tokenizer
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import greedy, hf_greedy, hf_logits, new_dense, step_logits
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine_config import EngineConfig
-from actors.model_runner import make_attention_backend
+from actors.engine.config import EngineConfig
+from actors.model.runner import make_attention_backend
+from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool
-from kvcache.torch_attention import TorchPagedAttention
 from scheduling.errors import InvalidParameterError
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.embedded_models import build_tokenizer
+from actors.load.embedded import build_tokenizer
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import (

@@ -15,10 +15,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from actors.engine import LLMEngine
-from actors.engine_config import EngineConfig
-from actors.executor import Executor
-from actors.outputs import SequenceDelta
+from actors.engine.config import EngineConfig
+from actors.engine.executor import Executor
+from actors.engine.llm_engine import LLMEngine
+from actors.engine.outputs import SequenceDelta
 from kvcache.kv_pool import KVCapacity
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError

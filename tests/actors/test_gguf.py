@@ -11,11 +11,11 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from actors.gguf import convert
-from actors.gguf.convert import ensure_gguf_folder, gguf_source
-from actors.gguf.dequant import SUPPORTED_TYPES, dequantize
-from actors.gguf.reader import GGUFError, GGUFTensor, read_gguf
-from actors.loader import checkpoint_files, resolve_model_path
+from actors.load.gguf import convert
+from actors.load.gguf.convert import ensure_gguf_folder, gguf_source
+from actors.load.gguf.dequant import SUPPORTED_TYPES, dequantize
+from actors.load.gguf.reader import GGUFError, GGUFTensor, read_gguf
+from actors.load.loader import checkpoint_files, resolve_model_path
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.gguf_files import T, encode, write_llama_gguf

@@ -10,10 +10,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from actors.embedded_models import build_tokenizer
 from actors.grammar.compiler import GrammarCompiler, json_schema_grammar
 from actors.grammar.masks import apply_token_masks
 from actors.grammar.states import GrammarStates
+from actors.load.embedded import build_tokenizer
 from scheduling.batch import Batch, TokenMasks
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams

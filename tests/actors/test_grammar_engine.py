@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from actors.embedded_models import build_tokenizer
+from actors.load.embedded import build_tokenizer
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput

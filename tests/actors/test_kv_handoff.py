@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from actors.engine_config import EngineConfig
-from actors.engine_stats import EngineStats
-from actors.outputs import SequenceDelta
-from actors.scheduler_actor import SchedulerService
+from actors.engine.config import EngineConfig
+from actors.engine.outputs import SequenceDelta
+from actors.engine.stats import EngineStats
+from actors.remote.scheduler_actor import SchedulerService
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import write_llama_with_tokenizer

@@ -14,10 +14,10 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError, OwnerDiedError, RayActorError, RayTaskError
 
-from actors.engine_config import EngineConfig
-from actors.engine_stats import EngineStats
-from actors.kv_handoff import PrefillResult
-from actors.scheduler_actor import SchedulerActor, SchedulerService
+from actors.engine.config import EngineConfig
+from actors.engine.disaggregation import PrefillResult
+from actors.engine.stats import EngineStats
+from actors.remote.scheduler_actor import SchedulerActor, SchedulerService
 from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.test_kv_handoff import ENGINE, GREEDY, PROMPTS, assert_all_free
 

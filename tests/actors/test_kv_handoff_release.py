@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine_config import EngineConfig
-from actors.engine_stats import EngineStats
-from actors.kv_handoff import PrefillResult
-from actors.outputs import SequenceDelta
-from actors.scheduler_actor import SchedulerService
+from actors.engine.config import EngineConfig
+from actors.engine.disaggregation import PrefillResult
+from actors.engine.outputs import SequenceDelta
+from actors.engine.stats import EngineStats
+from actors.remote.scheduler_actor import SchedulerService
 from apps.pd_builder import split_pd
 from kvcache.kv_transfer import KVPayload
 from scheduling.errors import InvalidParameterError

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from actors.embedded_models import build_tokenizer
+from actors.load.embedded import build_tokenizer
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import build_hf_model, hf_greedy, llama_config, write_checkpoint

@@ -12,11 +12,11 @@ import pytest
 import ray
 import torch
 
-from actors.engine_config import EngineConfig
+from actors.engine.config import EngineConfig
+from actors.engine.executor import Executor, LocalExecutor, with_rank_exports
 from actors.errors import ExecutorFailure
-from actors.executor import Executor, LocalExecutor, with_rank_exports
-from actors.ray_executor import RayExecutor
-from actors.shard_actor import ModelShardActor
+from actors.remote.ray_executor import RayExecutor
+from actors.remote.shard_actor import ModelShardActor
 from kvcache.kv_transfer import KVPayload, KVPayloadMismatchError
 from scheduling.batch import Batch, StepOutput
 from scheduling.sampling_params import SamplingParams

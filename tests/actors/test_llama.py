@@ -10,16 +10,16 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from actors.loader import load_model
-from actors.models.layers import (
+from actors.load.loader import load_model
+from actors.model.models.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     rope_inv_freq,
 )
-from actors.models.llama import LlamaArgs, LlamaForCausalLM
-from actors.models.registry import (
+from actors.model.models.llama import LlamaArgs, LlamaForCausalLM
+from actors.model.models.registry import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
     resolve_architecture,
@@ -91,9 +91,9 @@ def test_greedy_continuation_equals_hf_generate(checkpoint_dirs: dict[str, Path]
 
 def test_torch_paged_attention_backend_matches_hf(checkpoint_dirs: dict[str, Path]) -> None:
     """The real paged backend, page size 4, two sequences interleaved in the pool."""
-    from kvcache.attention_backend import StepLayout
+    from kvcache.attention.backend import StepLayout
+    from kvcache.attention.torch_paged import TorchPagedAttention
     from kvcache.kv_pool import KVPool
-    from kvcache.torch_attention import TorchPagedAttention
 
     ours, hf = _pair(checkpoint_dirs, "llama")
     pool = KVPool(num_layers=ours.num_layers, num_pages=32, page_size=4, num_kv_heads=ours.num_kv_heads,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from actors.loader import (
+from actors.load.loader import (
     ModelNotFoundError,
     checkpoint_files,
     iter_checkpoint,
@@ -18,7 +18,7 @@ from actors.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from actors.models.registry import UnsupportedModelError
+from actors.model.models.registry import UnsupportedModelError
 from tests.actors.checkpoints import new_dense, step_logits
 
 TOKENS = [1, 50, 300, 7, 7, 2, 511]

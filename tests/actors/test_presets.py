@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from actors import presets
-from actors.loader import resolve_model_path
-from actors.presets import PRESETS, Preset, PresetNotInstalledError, preset_gguf_path
+from actors.load import presets
+from actors.load.loader import resolve_model_path
+from actors.load.presets import PRESETS, Preset, PresetNotInstalledError, preset_gguf_path
 
 
 def test_smollm2_is_found_without_importing_its_package() -> None:

@@ -17,10 +17,10 @@ import ray
 from ray.exceptions import RayActorError
 from transformers import PretrainedConfig
 
-from actors.embedded_models import build_tokenizer
-from actors.engine_config import EngineConfig
+from actors.engine.config import EngineConfig
 from actors.errors import ExecutorFailure
-from actors.ray_executor import PlacementError, RayExecutor
+from actors.load.embedded import build_tokenizer
+from actors.remote.ray_executor import PlacementError, RayExecutor
 from apps.llm import LLM
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams

@@ -15,8 +15,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from actors.embedded_models import build_tokenizer
-from actors.ray_executor import RayExecutor
+from actors.load.embedded import build_tokenizer
+from actors.remote.ray_executor import RayExecutor
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import llama_config, write_checkpoint

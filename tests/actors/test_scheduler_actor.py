@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import ray
 
-from actors.engine_config import EngineConfig
-from actors.outputs import SequenceDelta
-from actors.scheduler_actor import SchedulerActor
-from actors.step_messages import StepMessage
+from actors.engine.config import EngineConfig
+from actors.engine.outputs import SequenceDelta
+from actors.remote.scheduler_actor import SchedulerActor
+from actors.remote.step_messages import StepMessage
 from apps.llm import LLM
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
@@ -252,7 +252,7 @@ def test_killed_ray_shard_fails_in_flight_then_restarts(cluster: None, config: E
 
 def test_silent_consumer_requests_are_aborted(config: EngineConfig) -> None:
     """In process (no Ray): a consumer that never polls loses its requests, pages freed."""
-    from actors.scheduler_actor import SchedulerService
+    from actors.remote.scheduler_actor import SchedulerService
 
     async def scenario() -> tuple[Any, Any]:
         svc = SchedulerService(config, consumer_timeout_s=0.0)  # every consumer is silent at once
@@ -269,14 +269,14 @@ def test_silent_consumer_requests_are_aborted(config: EngineConfig) -> None:
 
 @ray.remote
 def _threads_in_ray() -> tuple[float, int]:
-    from actors.cpu_threads import engine_cpu_threads, ray_reserved_cpus
+    from actors.remote.cpu_threads import engine_cpu_threads, ray_reserved_cpus
 
     return ray_reserved_cpus(), engine_cpu_threads(None)
 
 
 def test_cpu_threads_follow_the_ray_reservation(cluster: None) -> None:
     """Whole reserved CPUs set the thread count; a fractional or empty reservation means every core."""
-    from actors.cpu_threads import usable_cores
+    from actors.remote.cpu_threads import usable_cores
 
     assert _get(_threads_in_ray.options(num_cpus=2).remote()) == (2.0, 2)
     reserved, threads = _get(_threads_in_ray.options(num_cpus=0.5).remote())

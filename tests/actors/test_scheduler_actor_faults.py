@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import ray
 
-from actors.engine_config import EngineConfig
-from actors.scheduler_actor import SchedulerActor
+from actors.engine.config import EngineConfig
+from actors.remote.scheduler_actor import SchedulerActor
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput
 from tests.actors.checkpoints import write_llama_with_tokenizer

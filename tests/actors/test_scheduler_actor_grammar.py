@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from actors.engine_config import EngineConfig
+from actors.engine.config import EngineConfig
 from actors.grammar.compiler import GrammarCompiler
-from actors.scheduler_actor import SchedulerService
+from actors.remote.scheduler_actor import SchedulerService
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput

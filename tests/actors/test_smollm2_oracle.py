@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from actors.loader import load_tokenizer
-from actors.presets import preset_gguf_path
+from actors.load.loader import load_tokenizer
+from actors.load.presets import preset_gguf_path
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.test_engine_oracle import MODES

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from actors.step_channel import KEY_BYTES, StepChannelError, StepClient, StepServer, new_key
+from actors.remote.step_channel import KEY_BYTES, StepChannelError, StepClient, StepServer, new_key
 
 JOIN_S = 10.0
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from actors.cpu_threads import usable_cores
-from actors.engine_config import EngineConfig
-from actors.engine_stats import EngineStats
-from actors.outputs import RequestOutput
+from actors.engine.config import EngineConfig
+from actors.engine.outputs import RequestOutput
+from actors.engine.stats import EngineStats
+from actors.remote.cpu_threads import usable_cores
 from apps.llm import LLM
 from apps.local_scheduler import LocalScheduler, with_forward_threads
 from scheduling.errors import InvalidParameterError

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from actors.kv_handoff import PrefillResult
+from actors.engine.disaggregation import PrefillResult
 from apps.builder import build_app
 from apps.errors import APIError
 from apps.remote_prefill import DEFAULT_REMOTE_PREFILL_TIMEOUT_S, PREFILL_ATTEMPTS, RemotePrefill

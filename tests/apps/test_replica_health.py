@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from actors.outputs import SequenceDelta
-from actors.step_messages import HealthStatus, StepMessage
+from actors.engine.outputs import SequenceDelta
+from actors.remote.step_messages import HealthStatus, StepMessage
 from apps.errors import APIError
 from apps.server import LLMServer
 from apps.stream_fanout import RequestStream, StreamFanout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.loader import load_tokenizer
+from actors.load.loader import load_tokenizer
 from apps.errors import APIError
 from apps.prompt_encoder import PromptEncoder
 from apps.request_body import MAX_DISCARD_BYTES, read_body

@@ -10,8 +10,8 @@ from openai.types.chat import ChatCompletionChunk
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from actors.loader import load_tokenizer
-from actors.outputs import SequenceDelta
+from actors.engine.outputs import SequenceDelta
+from actors.load.loader import load_tokenizer
 from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
 from apps.token_text import TokenText

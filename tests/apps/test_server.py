@@ -12,8 +12,8 @@ import yaml
 from ray import serve
 from ray.exceptions import ActorDiedError
 
-from actors.outputs import SequenceDelta
-from actors.step_messages import StepMessage
+from actors.engine.outputs import SequenceDelta
+from actors.remote.step_messages import StepMessage
 from apps.builder import build_app, split_args
 from apps.errors import APIError
 from apps.llm import LLM

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from actors.kv_handoff import PrefillResult
+from actors.engine.disaggregation import PrefillResult
 from apps import protocol as p
 from apps.remote_prefill import RemotePrefill
 from apps.request_kind import RequestKind

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from actors.outputs import SequenceDelta
+from actors.engine.outputs import SequenceDelta
 from apps.errors import APIError
 from apps.stream_fanout import RequestStream
 

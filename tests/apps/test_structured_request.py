@@ -14,8 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from actors.loader import load_tokenizer
-from actors.prompt_ids import chat_ids, template_supports_tools
+from actors.engine.prompt_ids import chat_ids, template_supports_tools
+from actors.load.loader import load_tokenizer
 from apps import protocol as P
 from apps.errors import error_response
 from apps.request_params import chat_prompt, parse_request, to_sampling_params

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from actors.loader import load_tokenizer
-from actors.outputs import SequenceDelta
+from actors.engine.outputs import SequenceDelta
+from actors.load.loader import load_tokenizer
 from apps.array_scanner import ArrayScanner
 from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder

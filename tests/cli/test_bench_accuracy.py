@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.executor import LocalExecutor
+from actors.engine.executor import LocalExecutor
 from apps.llm import LLM
 from cli.bench.accuracy import engine_options, run
 from cli.bench.accuracy_cli import format_table

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.loader import load_tokenizer
+from actors.load.loader import load_tokenizer
 from cli.bench.accuracy import run
 from cli.bench.accuracy_forced import (
     HELDOUT_PATH,

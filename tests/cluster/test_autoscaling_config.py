@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from ray.serve import config as serve_config
 
-from actors.engine_stats import EngineStats, LatencyWindow
-from actors.outputs import SequenceDelta, SequenceTiming
+from actors.engine.outputs import SequenceDelta, SequenceTiming
+from actors.engine.stats import EngineStats, LatencyWindow
 from apps.builder import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, deployment_options, split_args
 from apps.replica_stats import ReplicaStats
 from cluster.autoscaling import (

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.engine_stats import EngineStats, LatencyWindow, memory_usage, snapshot
-from actors.outputs import SequenceDelta, SequenceTiming
+from actors.engine.outputs import SequenceDelta, SequenceTiming
+from actors.engine.stats import EngineStats, LatencyWindow, memory_usage, snapshot
 from cluster import metrics as m
 from cluster.metric_families import (
     CLUSTER_FAMILIES,
@@ -29,7 +29,7 @@ from scheduling.scheduler import Scheduler
 from scheduling.scheduler_config import SchedulerConfig
 
 if TYPE_CHECKING:
-    from actors.engine import LLMEngine
+    from actors.engine.llm_engine import LLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ray_configs" / "grafana_dashboard.json"

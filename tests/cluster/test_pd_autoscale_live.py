@@ -23,7 +23,7 @@ from typing import Any, cast
 import pytest
 from ray import serve
 
-from actors.engine_stats import EngineStats
+from actors.engine.stats import EngineStats
 from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer, http, live_server, poll_until
 
 DECODE_ACTOR = "pd-autoscale-decode-scheduler"

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import cpu_kernels
-from kvcache.attention_backend import StepLayout
+from kvcache.attention.backend import StepLayout
+from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool, bytes_per_page
 from kvcache.kv_quant import QMAX, dequantize_kv, quantize_kv
-from kvcache.torch_attention import TorchPagedAttention
 
 KV_DTYPES = ("int8", "fp8_e4m3")
 ATTENTION_TOLERANCE = {"int8": 0.02, "fp8_e4m3": 0.1}

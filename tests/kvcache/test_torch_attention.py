@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import attention_metadata as meta
-from kvcache.attention_backend import StepLayout
+from kvcache.attention import metadata as meta
+from kvcache.attention.backend import StepLayout
+from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool
-from kvcache.torch_attention import TorchPagedAttention
 
 HEADS = [(4, 4), (8, 4), (8, 1), (6, 2)]  # (num_heads, num_kv_heads): MHA, GQA, MQA, GQA 3
 

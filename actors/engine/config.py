@@ -1,0 +1,204 @@
+"""The one configuration object of an engine, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from actors.load.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from kvcache.errors import CacheConfigError
+from kvcache.kv_dtypes import canonical_kv_dtype
+from scheduling.errors import InvalidParameterError
+from scheduling.scheduler_config import SchedulerConfig
+from scheduling.spec_config import SpeculativeConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# Ray placement-group strategies for the tensor-parallel shards of one engine.
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
+# Attention backends that exist. "flashinfer" is planned (the CUDA step) but
+# absent: asking for it is refused rather than quietly run on torch.
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine (one replica).
+
+    ``kv_cache_memory_fraction`` is the share of free device memory (free RAM
+    on CPU) the KV pool may take, like vLLM's gpu_memory_utilization;
+    ``num_kv_pages`` overrides it. ``dtype="auto"`` is float32 on CPU and
+    bfloat16 on CUDA. ``executor="ray"`` runs one ``ModelShardActor`` per
+    tensor-parallel rank in a placement group built with
+    ``placement_strategy`` (PACK by default: ranks share a node when they fit,
+    which keeps the all-reduce off the network). ``cpu_threads`` is the
+    number of torch intra-op threads a scheduler actor's in-process forward
+    uses on CPU; None: the whole CPUs Ray reserved for that actor, or, when
+    it reserved none, every core the process may run on (set it when several
+    replicas share a node). With the Ray executor each shard uses
+    ``cpu_threads`` too, else the CPUs reserved for it (one).
+    ``attention_backend``: ``torch`` (the paged-attention reference, on CPU
+    and CUDA) is the only backend today, so ``auto`` resolves to it;
+    ``flashinfer`` is refused until that backend exists. ``kv_cache_dtype``:
+    ``auto`` (the model dtype), ``int8`` or ``fp8_e4m3`` (alias ``fp8``), one
+    byte per element plus a bfloat16 scale per token and kv head
+    (``kvcache.kv_dtypes``). ``quantization``: weight-only ``int8``, ``int4``
+    or ``compressed-tensors`` (``QUANTIZATION_METHODS``), with
+    ``quantization_group_size`` for int4 (None: 32 from GGUF blocks, else
+    128). ``grammar_compile_timeout_s``: how long a request waits for its
+    structured-output constraint to compile before it is refused (400).
+    Errors name the parameter and, where two settings disagree, both values.
+    """
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    kv_cache_memory_fraction: float | None = None
+    num_kv_pages: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    executor: str = "local"
+    placement_strategy: str = "PACK"
+    device: str = "auto"
+    seed: int = 0
+    cpu_threads: int | None = None
+    speculative_config: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    quantization_group_size: int | None = None
+    grammar_compile_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidParameterError("model", "must be a model folder, hub id or embedded name")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidParameterError("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise InvalidParameterError(
+                "kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise InvalidParameterError("num_kv_pages", f"must be >= 1, got {self.num_kv_pages}")
+        if self.tensor_parallel_size < 1:
+            raise InvalidParameterError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.attention_backend == "flashinfer":
+            raise InvalidParameterError(
+                "attention_backend",
+                "flashinfer is not available yet (no FlashInfer backend is built in); "
+                "use 'torch' or 'auto', which both run the torch paged attention",
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidParameterError(
+                "attention_backend", f"must be auto or torch, got {self.attention_backend!r}"
+            )
+        if self.executor not in ("local", "ray"):
+            raise InvalidParameterError("executor", f"must be 'local' or 'ray', got {self.executor!r}")
+        if self.tensor_parallel_size > 1 and self.executor != "ray":
+            raise InvalidParameterError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size {self.tensor_parallel_size} needs several shards; "
+                f"the in-process executor ({self.executor!r}) runs one: use executor='ray'",
+            )
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise InvalidParameterError(
+                "placement_strategy",
+                f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}",
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InvalidParameterError("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.cpu_threads is not None and (
+            not isinstance(self.cpu_threads, int) or isinstance(self.cpu_threads, bool) or self.cpu_threads < 1
+        ):
+            raise InvalidParameterError("cpu_threads", f"must be >= 1, got {self.cpu_threads!r}")
+        try:
+            object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
+        except CacheConfigError as e:
+            raise InvalidParameterError(e.param, e.message) from None
+        self._check_quantization()
+        if isinstance(self.grammar_compile_timeout_s, bool) or not (
+            isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0
+        ):
+            raise InvalidParameterError(
+                "grammar_compile_timeout_s", f"must be a number > 0, got {self.grammar_compile_timeout_s!r}"
+            )
+        # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self.scheduler_config()  # validates the scheduling limits, naming both values
+
+    def _check_quantization(self) -> None:
+        q, group = self.quantization, self.quantization_group_size
+        if q is not None and q not in QUANTIZATION_METHODS:
+            raise InvalidParameterError(
+                "quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {q!r}"
+            )
+        if group is not None and q != "int4":
+            raise InvalidParameterError(
+                "quantization_group_size", f"applies to quantization='int4' only, not {q!r}"
+            )
+        if group is not None and group not in INT4_GROUP_SIZES:
+            raise InvalidParameterError(
+                "quantization_group_size", f"must be one of {INT4_GROUP_SIZES}, got {group!r}"
+            )
+        if self.resolved_device().type == "cuda" and (q in ("int8", "int4") or self.kv_cache_dtype != "auto"):
+            # The weight-only kernels are torch's CPU ones and the quantized
+            # pages are read by the CPU kernel and the torch path; nothing
+            # on CUDA has been checked, so it is refused rather than tried.
+            param = "quantization" if q in ("int8", "int4") else "kv_cache_dtype"
+            value = q if param == "quantization" else self.kv_cache_dtype
+            raise InvalidParameterError(param, f"{value!r} is supported on the CPU only, not on CUDA")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments; an unknown one is an error that names it."""
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                raise InvalidParameterError(name, f"unknown engine option; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            page_size=self.page_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            speculative_config=self.speculative_config,
+        )
+
+    def resolved_attention_backend(self) -> str:
+        """The backend that runs: ``torch`` (``auto`` has no other choice yet)."""
+        return "torch"
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def memory_fraction(self) -> float:
+        """The KV share of free memory: 0.9 of a GPU, 0.1 of host RAM by default."""
+        if self.kv_cache_memory_fraction is not None:
+            return self.kv_cache_memory_fraction
+        return 0.9 if self.resolved_device().type == "cuda" else 0.1

@@ -1,0 +1,151 @@
+"""The engine's side of prefill/decode disaggregation: prefill-only requests, and requests that arrive prefilled.
+
+Prefill replica: ``start_prefill`` queues a request that computes its prompt
+and samples its first token only; the step that samples it copies the
+prompt's pages out (``Batch.kv_exports``), and ``collect_exports`` keeps them,
+by request, until the caller takes them as a ``PrefillResult``. Its pages
+then end like any request's: their KV stays in the prefix cache.
+
+Decode replica: ``add_prefilled`` starts a request from a ``PrefillResult``:
+its first token goes through the request's own stop rule (it may end the
+request at once), and its prompt KV is written into fresh pages by the step
+that admits it (``scheduling.kv_handoff``). Every field of the payload is
+checked against this engine's pool first, so a mismatch is refused by name
+before any page is given. A decode replica with a separate draft model is
+refused (``check_decode_drafting``): only the target's KV moves, so the draft
+model's own pool would hold nothing for the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.outputs import SequenceDelta, SequenceTiming
+from kvcache.kv_transfer import KVPayload, KVPayloadMismatchError, check_layout
+from scheduling.batch import Batch, StepOutput, TokenLogprobs
+from scheduling.errors import InvalidParameterError
+from scheduling.request import Request
+from scheduling.sampling_params import SamplingParams
+from scheduling.spec_config import SpeculativeConfig
+from scheduling.stop_rule import StopRule
+
+if TYPE_CHECKING:
+    from actors.engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """A prompt computed on a prefill replica: its first token and its KV (one payload per rank)."""
+
+    request_id: str
+    first_token: int
+    first_logprobs: TokenLogprobs | None
+    # kvcache.kv_transfer.KVPayload per tensor-parallel rank; on Ray an ObjectRef to that tuple, so the
+    # pages are copied into the object store once and only the ref passes the replicas between.
+    kv: Any
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_bytes: int
+    prefill_s: float  # queued + computed on the prefill replica, export included
+
+
+def check_remote_prefill(params: SamplingParams) -> None:
+    """Refuse what a remote prefill cannot carry (the decode replica then prefills locally)."""
+    if params.n != 1:
+        raise InvalidParameterError("n", "a remotely prefilled request has one sequence")
+    if params.structured_output is not None:
+        raise InvalidParameterError(params.structured_output.param, "constrained requests prefill locally")
+
+
+def start_prefill(engine: LLMEngine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Queue a prefill-only request: its prompt, and its first token sampled with ``params``."""
+    check_remote_prefill(params)
+    first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
+    engine.add_request(request_id, prompt_ids, first_only, prompt_token_ids=prompt_ids)
+    engine.scheduler.requests[request_id].export_kv = True
+
+
+def collect_exports(engine: LLMEngine, batch: Batch, output: StepOutput) -> None:
+    """Keep the KV that ``batch`` exported, by request id, until the prefill's caller takes it.
+
+    Only for requests still live: one aborted while the step ran (its caller
+    cancelled, and took nothing) would leave its prompt's KV here for good.
+    """
+    if batch.kv_exports is None:
+        return
+    assert output.kv_exports is not None and len(output.kv_exports) == len(batch.kv_exports)
+    reqs = engine.scheduler.requests_in_step(batch.step)
+    live = engine.scheduler.requests
+    for (j, _), payloads in zip(batch.kv_exports, output.kv_exports, strict=True):
+        req = reqs[batch.sample_indices[j]]
+        if live.get(req.request_id) is req:
+            engine.exported[req.request_id] = tuple(payloads)
+
+
+def add_prefilled(
+    engine: LLMEngine, result: PrefillResult, prompt_ids: list[int], params: SamplingParams, *,
+    arrival_time: float, namespace: str | None = None,
+) -> list[SequenceDelta]:
+    """Start ``result``'s request here; returns the delta of its first token (final if that token ends it)."""
+    check_remote_prefill(params)
+    check_decode_drafting(engine.config.speculative_config)
+    _check_kv(engine, result.kv, len(prompt_ids))
+    rid = result.request_id
+    stop = StopRule(params, engine.eos_token_id, IncrementalDetokenizer(engine.tokenizer, prompt_ids))
+    req = Request(rid, prompt_ids, params, namespace=namespace, stop_rule=stop, arrival_time=arrival_time)
+    tokens, text, reason = req.append_output([result.first_token])
+    req.first_scheduled_time = req.first_token_time = req.last_token_time = time.monotonic()
+    req.num_cached_tokens = result.num_cached_tokens
+    logprobs = [result.first_logprobs] if params.logprobs is not None and result.first_logprobs else None
+    timing = None
+    if reason is None:
+        req.kv_import = result.kv
+        engine.track(req)
+    else:  # ended by its first token: nothing to decode, no page taken
+        timing = SequenceTiming(arrival_time, req.first_token_time, req.last_token_time, 1, req.first_scheduled_time)
+    return [SequenceDelta(rid, 0, tokens, text, logprobs, reason, len(prompt_ids), result.num_cached_tokens,
+                          None, timing)]
+
+
+def check_decode_drafting(speculative_config: SpeculativeConfig | dict[str, Any] | str | None) -> None:
+    """Refuse a separate draft model where requests arrive prefilled (a decode replica or pool).
+
+    Only the target model's KV moves between replicas: the draft model's own
+    pool would hold nothing for an imported prompt, and its drafts would be
+    blind. N-gram drafting and a self-draft (``layers``, on the target's
+    pages) see the imported KV and are kept.
+    """
+    spec = SpeculativeConfig.parse(speculative_config)
+    if spec is not None and spec.model is not None:
+        raise InvalidParameterError(
+            "speculative_config.model",
+            f"the draft model {spec.model!r} drafts from a KV pool of its own, which a prompt prefilled on "
+            f"another replica never fills: a decode replica drafts with method 'ngram' or a self-draft "
+            f"('layers'), or not at all",
+        )
+
+
+def _check_kv(engine: LLMEngine, kv: tuple[KVPayload, ...], num_prompt_tokens: int) -> None:
+    """Refuse KV this engine's pool cannot take here, before any page is given for it.
+
+    Every field the runner checks as it writes (``kvcache.kv_transfer``) is
+    checked here first: caught there, a mismatch would fail a whole step
+    (with shards on Ray, the shard group) after pages were given for it.
+    """
+    config = engine.config
+    if len(kv) != config.tensor_parallel_size:
+        raise InvalidParameterError("tensor_parallel_size", f"the KV comes from {len(kv)} ranks, this engine has "
+                                                            f"{config.tensor_parallel_size}: both pools need the same")
+    layout = engine.executor.kv_layout
+    num_pages = -(-num_prompt_tokens // layout.page_size)
+    for payload in kv:
+        try:
+            check_layout(layout, payload)
+        except KVPayloadMismatchError as err:
+            raise InvalidParameterError(err.param, err.message) from None
+        if payload.num_pages != num_pages:
+            raise InvalidParameterError("prompt", f"the KV holds {payload.num_pages} pages, the prompt of "
+                                                  f"{num_prompt_tokens} tokens fills {num_pages}")

@@ -1,0 +1,78 @@
+"""Executors run one ``Batch`` per engine step on the model shards.
+
+``LocalExecutor`` holds the one shard in-process; the Ray executor (one call
+per step to every tensor-parallel rank) has the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from actors.engine.config import EngineConfig
+from kvcache.kv_pool import KVCapacity
+from kvcache.kv_transfer import KVLayout
+from scheduling.batch import Batch, StepOutput
+
+
+class Executor(ABC):
+    """Runs steps; reports the KV capacity the scheduler may hand out."""
+
+    capacity: KVCapacity
+    kv_layout: KVLayout  # what its pool's pages hold: the engine checks a prefilled request's KV against it
+    model_path: Path
+    vocab_size: int
+
+    @abstractmethod
+    def execute(self, batch: Batch) -> StepOutput:
+        """Run one step and return the sampled tokens (aligned with ``batch.sample_indices``).
+
+        With ``batch.kv_exports``, the output's ``kv_exports`` holds per entry
+        a tuple of every rank's ``KVPayload``, in rank order.
+        """
+
+    @abstractmethod
+    def restart(self) -> None:
+        """Rebuild the shards after an ``ExecutorFailure``; the KV pool starts empty."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the shards and their memory."""
+
+
+class LocalExecutor(Executor):
+    """The whole model in this process (tensor_parallel_size 1)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from actors.model.runner import ModelRunner
+
+        self.runner = ModelRunner(config)
+        self.capacity = self.runner.capacity
+        self.kv_layout = KVLayout.of(self.runner.pool)
+        self.model_path = self.runner.model_path
+        self.vocab_size = self.runner.vocab_size
+
+    def execute(self, batch: Batch) -> StepOutput:
+        out = self.runner.execute(batch)
+        return with_rank_exports(out, [out]) if batch.kv_exports else out
+
+    def restart(self) -> None:
+        """In-process there is no shard to lose: nothing to rebuild."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop in-process; the runner's tensors go with this object."""
+
+
+def with_rank_exports(out: StepOutput, rank_outputs: list[StepOutput | None]) -> StepOutput:
+    """``out`` (rank 0's) with every rank's ``kv_exports`` zipped: one tuple per export, rank order.
+
+    ``rank_outputs[r]`` is rank r's output; each carries this rank's payload
+    of every export of the step, aligned with ``Batch.kv_exports``.
+    """
+    per_rank: list[list[Any]] = []
+    for rank, rank_out in enumerate(rank_outputs):
+        assert rank_out is not None and rank_out.kv_exports is not None, f"rank {rank} returned no kv_exports"
+        per_rank.append(rank_out.kv_exports)
+    return replace(out, kv_exports=list(zip(*per_rank, strict=True)))

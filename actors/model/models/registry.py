@@ -1,0 +1,43 @@
+"""Which model class serves which Hugging Face architecture."""
+
+from __future__ import annotations
+
+from actors.model.models.llama import HFConfig, LlamaForCausalLM, config_get
+from scheduling.errors import InvalidParameterError
+
+# HF `architectures` entry -> our implementation.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+# Configs built in code may lack `architectures`; their model_type decides.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(MODEL_REGISTRY))
+
+
+class UnsupportedModelError(InvalidParameterError):
+    """The model's architecture is not one flotilla implements (``param`` is ``"model"``)."""
+
+    def __init__(self, message: str, *, param: str = "model") -> None:
+        super().__init__(param, message)
+
+
+def resolve_architecture(config: HFConfig) -> type[LlamaForCausalLM]:
+    """Return the class that implements ``config``'s architecture.
+
+    Raises ``UnsupportedModelError`` naming the architecture and the supported ones.
+    """
+    names = list(config_get(config, "architectures", None) or [])
+    model_type = config_get(config, "model_type", None)
+    if not names and model_type in _MODEL_TYPES:
+        names = [_MODEL_TYPES[model_type]]
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    found = ", ".join(names) or f"model_type {model_type!r}"
+    raise UnsupportedModelError(
+        f"architecture {found} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )

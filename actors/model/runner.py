@@ -1,0 +1,296 @@
+"""Runs one ``Batch`` through the model on the paged KV cache and samples.
+
+One ``ModelRunner`` is one tensor-parallel rank: it holds its shard of the
+weights and its slice of the KV pool. It knows nothing of requests. With
+``world_size > 1`` the caller has joined ``torch.distributed`` first (see
+``actors.remote.distributed``): every rank runs every step, and only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from actors.engine.config import EngineConfig
+from actors.load.loader import load_model
+from actors.log import get_logger
+from actors.model.draft_runner import DraftRunner
+from actors.model.models.layers import ParallelLinear
+from actors.model.sampler import Sampler
+from actors.model.spec_verify import count_accepted, expand_sampling, sample_rows
+from kvcache.attention.backend import AttentionBackend, StepLayout
+from kvcache.attention.torch_paged import TorchPagedAttention
+from kvcache.kv_pool import (
+    KVCapacity,
+    KVPool,
+    available_memory_bytes,
+    bytes_per_page,
+    plan_num_pages,
+)
+from kvcache.kv_transfer import KVPayloadMismatchError
+from scheduling.batch import Batch, StepOutput
+from scheduling.errors import InvalidParameterError
+
+logger = get_logger(__name__.rsplit(".", 1)[-1])
+
+
+def make_attention_backend(
+    config: EngineConfig, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int
+) -> AttentionBackend:
+    """The backend ``config.resolved_attention_backend()`` names: torch paged attention.
+
+    It is the only backend (CPU and CUDA alike); ``EngineConfig`` refuses
+    ``flashinfer`` until a FlashInfer backend exists.
+    """
+    name = config.resolved_attention_backend()
+    assert name == "torch", f"no attention backend {name!r}"
+    return TorchPagedAttention(pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def make_drafter(config: EngineConfig, runner: ModelRunner, *, rank: int, world_size: int) -> DraftRunner | None:
+    """The drafter ``config.speculative_config`` asks for; None without the ``draft`` method.
+
+    A draft model gets a KV pool of the target's page count (same page ids)
+    and a backend of its own; a self-draft uses the target's model and pages.
+    """
+    spec = config.speculative_config
+    if spec is None or not spec.drafts_in_runner:
+        return None
+    target = runner.model
+    if spec.layers is not None:
+        if spec.layers >= target.num_layers:
+            raise InvalidParameterError(
+                "speculative_config",
+                f"layers ({spec.layers}) must be below the target's {target.num_layers} layers",
+            )
+        return DraftRunner(target, runner.attn, num_layers=spec.layers, shares_target_kv=True)
+    assert spec.model is not None
+    draft = load_model(
+        spec.model, dtype=runner.dtype, device=runner.device,
+        max_model_len=config.max_model_len, rank=rank, world_size=world_size,
+    ).model
+    if draft.vocab_size != target.vocab_size:
+        raise InvalidParameterError(
+            "speculative_config",
+            f"the draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens, "
+            f"the target {target.vocab_size}: a draft needs the target's tokenizer",
+        )
+    if runner.device.type == "cpu":
+        _pack_linears(draft)
+    pool = KVPool(
+        num_layers=draft.num_layers, num_pages=runner.capacity.num_pages, page_size=config.page_size,
+        num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim, dtype=runner.dtype, device=runner.device,
+        kv_dtype=config.kv_cache_dtype,
+    )
+    if rank == 0:
+        logger.info("draft model %s: KV pool of %d pages, %.1f MiB", spec.model, pool.num_pages,
+                    pool.total_bytes / 2**20)
+    attn = make_attention_backend(
+        config, pool, num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim
+    )
+    return DraftRunner(draft, attn, num_layers=None, shares_target_kv=False)
+
+
+def _default_cpu_pages(config: EngineConfig, device: torch.device, fraction_pages: int) -> int | None:
+    """On CPU with no explicit size, hold twice what max_num_seqs full sequences need.
+
+    Host RAM is shared with everything else and zero-filling gigabytes costs
+    seconds at start-up; past this size extra pages only feed the prefix
+    cache. ``fraction_pages`` (the default share of free RAM) still caps it.
+    """
+    if config.num_kv_pages is not None:
+        return config.num_kv_pages
+    if config.kv_cache_memory_fraction is not None or device.type != "cpu":
+        return None
+    wanted = 2 * config.max_num_seqs * -(-config.max_model_len // config.page_size)
+    return min(wanted, fraction_pages) if fraction_pages > 0 else None
+
+
+def _min_across_ranks(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over the process group (a collective: every rank calls it)."""
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+class ModelRunner:
+    """Model shard + KV pool + attention backend + sampler for one rank."""
+
+    def __init__(self, config: EngineConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = config.resolved_device()
+        self.dtype = config.torch_dtype()
+        torch.manual_seed(config.seed)
+        loaded = load_model(
+            config.model, dtype=self.dtype, device=self.device,
+            max_model_len=config.max_model_len, rank=rank, world_size=world_size,
+            quantization=config.quantization, quantization_group_size=config.quantization_group_size,
+        )
+        self.model = loaded.model
+        if self.device.type == "cpu":
+            _pack_linears(self.model)
+        self.hf_config = loaded.hf_config
+        self.model_path = loaded.path
+        m = self.model
+        self.vocab_size = m.vocab_size
+        per_page = bytes_per_page(
+            m.num_layers, config.page_size, m.num_kv_heads, m.head_dim, self.dtype, config.kv_cache_dtype
+        )
+        kv_name = str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        available = available_memory_bytes(self.device)
+        fraction_pages = int(config.memory_fraction() * available) // per_page
+
+        def plan(num_pages: int | None) -> KVCapacity:
+            return plan_num_pages(
+                num_pages=num_pages, kv_cache_memory_fraction=config.memory_fraction(),
+                available_bytes=available, bytes_per_page=per_page, page_size=config.page_size,
+                max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, kv_dtype=kv_name,
+            )
+
+        self.capacity: KVCapacity = plan(_default_cpu_pages(config, self.device, fraction_pages))
+        if world_size > 1:
+            # Page ids are global: page p of every rank holds that page's slice
+            # of the KV heads, so every rank must hold the same number of pages.
+            # Free memory differs per rank; the smallest pool fits everywhere.
+            agreed = _min_across_ranks(self.capacity.num_pages, self.device)
+            if agreed != self.capacity.num_pages:
+                self.capacity = plan(agreed)
+        self.pool = KVPool(
+            num_layers=m.num_layers, num_pages=self.capacity.num_pages, page_size=config.page_size,
+            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=self.dtype, device=self.device,
+            kv_dtype=config.kv_cache_dtype,
+        )
+        if rank == 0:  # one report per engine, not one per shard
+            logger.info(self.capacity.describe())
+            logger.info("attention backend: %s (asked for %s) on %s",
+                        config.resolved_attention_backend(), config.attention_backend, self.device)
+        self.attn = make_attention_backend(
+            config, self.pool, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim
+        )
+        self.sampler = Sampler(seed=config.seed)
+        self.drafter = make_drafter(config, self, rank=rank, world_size=world_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.capacity.num_pages
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> StepOutput:
+        """Forward the step's tokens, then sample one token per sampled sequence.
+
+        Ranks other than 0 run the same forward (and logits: the collectives
+        need every rank) but return an empty ``StepOutput`` (save its
+        ``kv_exports``).
+
+        KV transfer (prefill/decode disaggregation, ``kvcache.kv_transfer``):
+        ``batch.kv_imports`` are written into this rank's pool before the
+        forward (this rank's payload of each); after it, the pages each
+        ``batch.kv_exports`` entry names are read back into
+        ``StepOutput.kv_exports`` on every rank (rank r's pool holds its share
+        of the heads). Only the target model's pool moves: a draft model's own
+        pool (``speculative_config`` with a draft model) would get nothing, so
+        the engine refuses prefilled requests there
+        (``actors.engine.disaggregation.check_decode_drafting``); a self-draft shares the
+        target's pages and sees them.
+        """
+        if batch.kv_imports:
+            self._import_kv(batch.kv_imports)
+        out = self._run(batch)
+        if batch.kv_exports:
+            out = replace(out, kv_exports=[self.pool.read_pages(pages) for _, pages in batch.kv_exports])
+        return out
+
+    def _import_kv(self, imports: list[tuple[list[int], tuple[Any, ...]]]) -> None:
+        """Write this rank's payload of each import into its pages."""
+        for pages, payloads in imports:
+            if len(payloads) != self.world_size:
+                raise KVPayloadMismatchError(
+                    "tensor_parallel_size",
+                    f"the KV pages come from {len(payloads)} rank(s), this engine has {self.world_size}: "
+                    f"both replicas need the same tensor_parallel_size",
+                )
+            self.pool.write_pages(pages, payloads[self.rank])
+
+    def _run(self, batch: Batch) -> StepOutput:
+        """The forward, sampling and drafting of ``execute`` (in its inference mode)."""
+        dev = self.device
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        layout = StepLayout(batch.query_lens, batch.context_lens, batch.page_tables)
+        self.attn.plan(layout)
+        hidden = self.model(input_ids, positions, self.attn)
+        if self.drafter is not None:
+            self.drafter.catch_up(input_ids, positions, layout)
+        if not batch.sample_indices:
+            return StepOutput([], [])
+        if batch.is_decode_only and len(batch.sample_indices) == batch.num_seqs:
+            rows = hidden
+        else:
+            rows = hidden[torch.tensor(sample_rows(batch), device=dev)]
+        # Every rank computes logits: the vocab-parallel head all-gathers them.
+        logits = self.model.compute_logits(rows)
+        out = StepOutput([], [])
+        if self.rank == 0:
+            # Only rank 0 samples (its tokens are the step's answer); sampling
+            # on every rank would only burn time and advance seeded generators.
+            out = self._sample(batch, logits)
+        if batch.num_propose is None:
+            return out
+        return self._propose(batch, out)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> StepOutput:
+        """One token per sampled row; with drafts, also how many of each sequence's drafts are kept."""
+        if batch.draft_token_ids is None:
+            return self.sampler.sample(
+                logits, batch.sampling_params, batch.num_output_tokens,
+                batch.prompt_token_ids, batch.output_token_ids, batch.token_masks,
+            )
+        out = self.sampler.sample(logits, *expand_sampling(batch), batch.token_masks)
+        return replace(out, num_accepted=count_accepted(out.token_ids, batch.draft_token_ids))
+
+    def _propose(self, batch: Batch, out: StepOutput) -> StepOutput:
+        """Drafts for each sampled sequence's next step, from its new last token (``batch.num_propose``)."""
+        assert self.drafter is not None and batch.num_propose is not None
+        drafts = batch.draft_token_ids or [[] for _ in batch.sample_indices]
+        accepted = out.num_accepted or [0] * len(drafts)
+        last: list[int] = []
+        if self.rank == 0:
+            row = 0
+            for j, draft in enumerate(drafts):
+                last.append(out.token_ids[row + accepted[j]])
+                row += len(draft) + 1
+        if self.world_size > 1:
+            # Every rank runs the drafter's forward (its collectives need all): rank 0's tokens go to all.
+            last, accepted = _broadcast_lists(last, accepted, len(drafts), self.device)
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        for j, i in enumerate(batch.sample_indices):
+            # The new last token follows the kept drafts: context - (drafts rejected).
+            positions.append(batch.context_lens[i] - len(drafts[j]) + accepted[j])
+            tables.append(batch.page_tables[i])
+        proposals = self.drafter.propose(last, positions, tables, batch.num_propose)
+        return replace(out, draft_token_ids=proposals) if self.rank == 0 else out
+
+
+def _broadcast_lists(
+    first: list[int], second: list[int], n: int, device: torch.device
+) -> tuple[list[int], list[int]]:
+    """Rank 0's two length-``n`` int lists on every rank (a collective: every rank calls it)."""
+    t = torch.tensor(first + second if first else [0] * (2 * n), dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    values: list[int] = t.tolist()
+    return values[:n], values[n:]
+
+
+def _pack_linears(model: torch.nn.Module) -> None:
+    """Move every linear layer's weight to oneDNN's packed layout (see ``actors.model.models.cpu_linear``)."""
+    layers = [m for m in model.modules() if isinstance(m, ParallelLinear)]
+    packed = [layer for layer in layers if layer.pack_for_cpu()]
+    extra = sum(layer.weight.numel() * layer.weight.element_size() for layer in packed)
+    logger.info("oneDNN-packed %d of %d linear layers; their dense weights stay for 1-2 row products "
+                "(+%.1f MiB)", len(packed), len(layers), extra / 2**20)

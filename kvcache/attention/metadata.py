@@ -1,0 +1,279 @@
+"""Pure functions turning a ``StepLayout`` into the index tensors backends use.
+
+Nothing here touches the KV pool; every function is deterministic in its
+inputs, so the builders are tested on CPU against each other and against
+dense attention.
+
+Positions: query ``i`` of sequence ``s`` sits at ``context_lens[s] -
+query_lens[s] + i``; position ``p`` lives in page ``page_tables[s][p //
+page_size]`` at offset ``p % page_size``, i.e. flat slot ``page * page_size +
+offset`` of the pool viewed as ``(num_pages * page_size, heads, head_dim)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.attention.backend import StepLayout
+
+
+def num_pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold ``num_tokens`` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def check_layout(layout: StepLayout, page_size: int) -> None:
+    """Assert the layout's invariants (the scheduler guarantees them)."""
+    n = len(layout.query_lens)
+    assert len(layout.context_lens) == n and len(layout.page_tables) == n, layout
+    for q, c, pages in zip(layout.query_lens, layout.context_lens, layout.page_tables, strict=True):
+        assert 1 <= q <= c, f"query_len {q} must be in [1, context_len {c}]"
+        assert len(pages) * page_size >= c, f"{len(pages)} pages cannot hold {c} tokens"
+
+
+def build_slot_mapping(
+    layout: StepLayout, page_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Flat pool slot of every new token, in step token order; int64, (num_tokens,)."""
+    slots: list[int] = []
+    for q, c, pages in zip(layout.query_lens, layout.context_lens, layout.page_tables, strict=True):
+        if q == 1:  # decode, the common case: no range object per sequence
+            p = c - 1
+            slots.append(pages[p // page_size] * page_size + p % page_size)
+            continue
+        for p in range(c - q, c):
+            slots.append(pages[p // page_size] * page_size + p % page_size)
+    return torch.tensor(slots, dtype=torch.int64, device=device)
+
+
+# Cost model for splitting sequences into padded attention groups, in
+# "query-key pair" units (~4.6 ns each for SDPA on CPU). A sequence alone
+# costs its causal pairs, q*c - q*q/2 (a fresh prompt runs on SDPA's causal
+# path, which skips masked blocks), plus KEY_ROW_COST per gathered key row
+# (~72 ns for k and v); inside a padded masked group every member pays the
+# full max_q x max_c rectangle. One more group (gathers, SDPA, scatter) costs
+# about MIN_WASTE pairs of dispatch overhead (~30 us). Measured on a 2-core
+# Xeon VM, 8 heads / 4 kv heads / head_dim 32, fp32, page 16.
+KEY_ROW_COST = 16
+MIN_WASTE = 8192
+MAX_PADDING_RATIO = 2.0
+
+
+def partition_sequences(query_lens: Sequence[int], context_lens: Sequence[int]) -> list[list[int]]:
+    """Split sequence indices into groups that share one padded attention call.
+
+    Every group pads its queries to its longest query and its keys to its
+    longest context. Greedy over sequences sorted by (query_len, context_len)
+    descending: a sequence joins the current group unless the padded cost it
+    adds is more than ``MAX_PADDING_RATIO`` times its own real cost and that
+    waste beats the overhead of another call. So a decode-only step with
+    similar contexts is one group, and a long prefill never pads decodes (or
+    much shorter prompts) to its length. Each group lists its indices
+    ascending, and the groups together cover every index exactly once.
+    """
+    order = sorted(
+        range(len(query_lens)), key=lambda i: (query_lens[i], context_lens[i]), reverse=True
+    )
+    groups: list[list[int]] = []
+    current: list[int] = []
+    max_q = max_c = 0
+    for i in order:
+        q, c = query_lens[i], context_lens[i]
+        own = q * c - q * q // 2 + KEY_ROW_COST * c
+        new_q = q if q > max_q else max_q
+        new_c = c if c > max_c else max_c
+        added = (len(current) + 1) * new_c * (new_q + KEY_ROW_COST) - len(current) * max_c * (
+            max_q + KEY_ROW_COST
+        )
+        if current and added > MAX_PADDING_RATIO * own and added - own > MIN_WASTE:
+            groups.append(sorted(current))
+            current, max_q, max_c = [i], q, c
+        else:
+            current.append(i)
+            max_q, max_c = new_q, new_c
+    if current:
+        groups.append(sorted(current))
+    return groups
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Index tensors for one padded attention call over a subset of sequences.
+
+    The call sees queries as ``(num_seqs, max_query_len)`` and keys as
+    ``(num_seqs, max_context_len)``; padded query rows repeat their sequence's
+    last real row (finite, then dropped) and padded key columns are masked.
+
+    Attributes:
+        seq_ids: the step's sequence indices in this group, ascending.
+        page_index: (num_seqs * pages_per_seq,) int64 pool pages to gather;
+            padding points at page 0, which the mask hides.
+        q_index: (num_seqs * max_query_len,) int64 step token rows to gather
+            into the padded query block, or None when the step's ``q`` already
+            is that block (the group is the whole step with no padding).
+        out_rows: rows of the flattened padded output that are real tokens,
+            or None when every row is real.
+        token_index: step token index of each real row (matching ``out_rows``),
+            or None when the group is the whole step in step order.
+        causal: every sequence is a fresh prompt of ``max_query_len`` tokens
+            (query_len == context_len, all equal): plain top-left causal
+            attention, no mask (SDPA's ``is_causal`` path skips masked blocks).
+        mask: True (bool) or 0 (additive float) where a query may see a key;
+            (num_seqs, 1, max_query_len * group_size, max_context_len) with
+            each query row repeated ``group_size`` times (GQA folding), or
+            (num_seqs, 1, 1, max_context_len) for decode groups, or None when
+            nothing needs masking (decode with equal contexts, or ``causal``).
+    """
+
+    seq_ids: list[int]
+    num_seqs: int
+    max_query_len: int
+    max_context_len: int
+    pages_per_seq: int
+    page_index: torch.Tensor
+    q_index: torch.Tensor | None
+    out_rows: torch.Tensor | None
+    token_index: torch.Tensor | None
+    causal: bool
+    mask: torch.Tensor | None
+
+
+def token_starts(query_lens: Sequence[int]) -> list[int]:
+    """Index of each sequence's first new token in the step's token order."""
+    starts: list[int] = []
+    acc = 0
+    for ql in query_lens:
+        starts.append(acc)
+        acc += ql
+    return starts
+
+
+def build_attention_group(
+    layout: StepLayout,
+    seq_ids: list[int],
+    page_size: int,
+    group_size: int,
+    device: torch.device | str = "cpu",
+    starts: list[int] | None = None,
+    mask_dtype: torch.dtype = torch.bool,
+) -> AttentionGroup:
+    """Index tensors for the padded attention call over ``seq_ids`` (ascending).
+
+    ``group_size`` is num_heads // num_kv_heads: the backend folds the query
+    heads sharing one kv head into the query axis, so mask rows repeat.
+    ``starts`` is ``token_starts(layout.query_lens)``, passed in when several
+    groups are built for one step. ``mask_dtype`` other than bool gives an
+    additive mask (0 / -inf) in that dtype: SDPA converts a bool mask on every
+    call, which costs more than the attention itself for prefill on CPU.
+    """
+    qlens = [layout.query_lens[s] for s in seq_ids]
+    ctxs = [layout.context_lens[s] for s in seq_ids]
+    n, max_q, max_c = len(seq_ids), max(qlens), max(ctxs)
+    pages_per_seq = num_pages_for(max_c, page_size)
+    page_rows: list[int] = []
+    for s, c in zip(seq_ids, ctxs, strict=True):
+        used = num_pages_for(c, page_size)
+        page_rows += layout.page_tables[s][:used]
+        if used < pages_per_seq:
+            page_rows += [0] * (pages_per_seq - used)
+
+    def as_index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    whole_step = n == len(layout.query_lens)
+    padded = any(ql != max_q for ql in qlens)
+    q_index = out_rows = token_index = None
+    if not whole_step or padded:
+        if starts is None:
+            starts = token_starts(layout.query_lens)
+        if max_q == 1:  # decode group: one row per sequence, nothing padded
+            q_index = token_index = as_index([starts[s] for s in seq_ids])
+        else:
+            q_rows: list[int] = []
+            real_rows: list[int] = []
+            tokens: list[int] = []
+            for j, (s, ql) in enumerate(zip(seq_ids, qlens, strict=True)):
+                start = starts[s]
+                q_rows += range(start, start + ql)
+                q_rows += [start + ql - 1] * (max_q - ql)
+                real_rows += range(j * max_q, j * max_q + ql)
+                tokens += range(start, start + ql)
+            q_index = as_index(q_rows)
+            out_rows = as_index(real_rows) if padded else None
+            token_index = None if whole_step else as_index(tokens)
+
+    mask: torch.Tensor | None = None
+    causal = max_q > 1 and all(q == max_q for q in qlens) and all(c == max_q for c in ctxs)
+    ctx_t = torch.tensor(ctxs, dtype=torch.int64)
+    if causal:
+        pass
+    elif max_q == 1:
+        if any(c != max_c for c in ctxs):  # decode: hide each sequence's padding keys
+            mask = (torch.arange(max_c)[None, :] < ctx_t[:, None]).view(n, 1, 1, max_c)
+    else:
+        qlen_t = torch.tensor(qlens, dtype=torch.int64)
+        # Row i's position; padded rows clamp to the last real row (finite, dropped).
+        rows = torch.minimum(torch.arange(max_q)[None, :], (qlen_t - 1)[:, None])
+        qpos = ctx_t[:, None] - qlen_t[:, None] + rows  # (n, max_q)
+        allowed = torch.arange(max_c)[None, None, :] <= qpos[:, :, None]  # (n, max_q, max_c)
+        if group_size > 1:
+            allowed = allowed.repeat_interleave(group_size, dim=1)
+        mask = allowed.unsqueeze(1)
+    if mask is not None and mask_dtype != torch.bool:
+        mask = torch.zeros(mask.shape, dtype=mask_dtype).masked_fill_(~mask, float("-inf"))
+    if mask is not None:
+        mask = mask.to(device)
+
+    return AttentionGroup(
+        seq_ids=list(seq_ids),
+        num_seqs=n,
+        max_query_len=max_q,
+        max_context_len=max_c,
+        pages_per_seq=pages_per_seq,
+        page_index=as_index(page_rows),
+        q_index=q_index,
+        out_rows=out_rows,
+        token_index=token_index,
+        causal=causal,
+        mask=mask,
+    )
+
+
+def build_flashinfer_indices(
+    layout: StepLayout, page_size: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """FlashInfer's ragged-query / paged-KV index arrays for one step, int32.
+
+    Groundwork for the planned FlashInfer backend (not built yet; nothing
+    at run time calls this), kept tested against the page tables.
+
+    Keys: ``qo_indptr`` (batch+1,) cumulative query lengths;
+    ``paged_kv_indptr`` (batch+1,) cumulative pages used per sequence;
+    ``paged_kv_indices`` the used pages of every sequence, concatenated;
+    ``paged_kv_last_page_len`` (batch,) tokens in each sequence's last page
+    (in 1..page_size). Only the pages the context needs are listed, even if
+    the page table holds more.
+    """
+    qo_indptr = [0]
+    kv_indptr = [0]
+    indices: list[int] = []
+    last_page_len: list[int] = []
+    for q, c, pages in zip(layout.query_lens, layout.context_lens, layout.page_tables, strict=True):
+        used = num_pages_for(c, page_size)
+        qo_indptr.append(qo_indptr[-1] + q)
+        kv_indptr.append(kv_indptr[-1] + used)
+        indices.extend(pages[:used])
+        last_page_len.append(c - (used - 1) * page_size)
+
+    def as_i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return {
+        "qo_indptr": as_i32(qo_indptr),
+        "paged_kv_indptr": as_i32(kv_indptr),
+        "paged_kv_indices": as_i32(indices),
+        "paged_kv_last_page_len": as_i32(last_page_len),
+    }

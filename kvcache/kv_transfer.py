@@ -8,15 +8,14 @@ pool (rank r's pool holds rank r's share of the KV heads), read by
 The tensors live on the CPU, contiguous, in the pool's storage dtype, so a
 payload moves by pickle (the step channel) or through Ray's object store.
 It pickles as numpy arrays viewed as plain integers of the element's width
-(numpy has no bfloat16 or float8). Measured on the embedded ``small`` model's
-2,048-token KV (32 MiB, bfloat16; best of 25, interleaved, on 2 busy cores):
-read + pickle + unpickle + write took 20 ms (1.7 GB/s) that way against 33 ms
-(1.0 GB/s) with torch tensors, which pickle their storage through
-``torch.save`` (unpickle alone: 4.8 ms against 10.6 ms); a ``ray.put`` then a
-``ray.get`` in another actor took 16 ms (2.0 GB/s) against 72 ms (0.47 GB/s),
-since Ray hands numpy arrays out of its object store without a copy. The
-tensors of such a payload are then views of read-only shared memory: a
-payload is only ever read (frozen; ``write_pages`` copies out of it).
+(numpy has no bfloat16 or float8): such arrays pickle and unpickle faster than
+torch tensors, which pickle their storage through ``torch.save``, and Ray hands
+numpy arrays out of its object store without a copy (docs/disaggregation.md
+gives the measured costs, with the command that printed them). The tensors of
+such a payload are then views of read-only shared memory: a payload is only
+ever read (frozen; ``write_pages`` copies out of it).
+
+A transfer is one payload per tensor-parallel rank (``RankPayloads``).
 """
 
 from __future__ import annotations
@@ -105,8 +104,8 @@ class KVPayload:
         return self.k + self.v + (self.k_scales or ()) + (self.v_scales or ())
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        # Plain integer arrays pickle (and cross Ray's object store) several
-        # times faster than torch tensors; see the module docstring.
+        # Plain integer arrays pickle (and cross Ray's object store) faster
+        # than torch tensors; see the module docstring.
         return _rebuild, (
             _to_arrays(self.k), _to_arrays(self.v), _to_arrays(self.k_scales), _to_arrays(self.v_scales),
             dtype_name(self.storage_dtype), self.kv_dtype, self.dtype,
@@ -147,6 +146,10 @@ def _rebuild(
         k=kt, v=vt, k_scales=_from_arrays(k_scales, SCALE_DTYPE), v_scales=_from_arrays(v_scales, SCALE_DTYPE),
         kv_dtype=kv_dtype, dtype=dtype,
     )
+
+
+# One transfer: every tensor-parallel rank's payload of the same pages, in rank order.
+RankPayloads = tuple[KVPayload, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,7 @@ otherwise hand never-written pages to every later request with that prefix.
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvcache.kv_transfer import RankPayloads
 from scheduling.batch_builder import Scheduled
 from scheduling.request import Request
 from scheduling.request_pages import RequestPages
@@ -36,7 +35,7 @@ def kv_exports(scheduled: list[Scheduled], kv: RequestPages) -> list[tuple[int, 
     return exports
 
 
-def take_imported(kv: RequestPages, req: Request, imports: list[tuple[list[int], tuple[Any, ...]]]) -> bool:
+def take_imported(kv: RequestPages, req: Request, imports: list[tuple[list[int], RankPayloads]]) -> bool:
     """Give ``req`` fresh pages for its prompt and first token and queue its payload; False if they do not fit.
 
     No prefix match: the pages are filled from the payload (they join the

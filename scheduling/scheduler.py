@@ -25,9 +25,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any
 
 from kvcache.errors import CacheConfigError
+from kvcache.kv_transfer import RankPayloads
 from kvcache.page_allocator import PageAllocator
 from kvcache.radix_cache import PrefixMatch, RadixCache
 from scheduling.batch import Batch, StepOutput
@@ -188,7 +188,7 @@ class Scheduler:
                 scheduled.append((req, n, samples, _NO_DRAFTS, 0))
                 budget -= n + len(drafts)  # the drafts' budget is held; their pages come last
                 i += 1
-        imports: list[tuple[list[int], tuple[Any, ...]]] = []  # P/D: prompt KV that arrived (kv_handoff)
+        imports: list[tuple[list[int], RankPayloads]] = []  # P/D: prompt KV that arrived (kv_handoff)
         if not preempted:
             budget = self._admit(scheduled, budget, spec, imports, speculating)
         if spec is not None:
@@ -204,7 +204,7 @@ class Scheduler:
         return batch
 
     def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None,
-               imports: list[tuple[list[int], tuple[Any, ...]]], speculating: list[tuple[int, list[int]]]) -> int:
+               imports: list[tuple[list[int], RankPayloads]], speculating: list[tuple[int, list[int]]]) -> int:
         cfg = self.config
         cache = self.cache
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:

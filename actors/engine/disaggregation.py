@@ -14,26 +14,55 @@ checked against this engine's pool first, so a mismatch is refused by name
 before any page is given. A decode replica with a separate draft model is
 refused (``check_decode_drafting``): only the target's KV moves, so the draft
 model's own pool would hold nothing for the prompt.
+
+The functions take the engine as a ``PDEngine``: what they use of it, which
+``LLMEngine`` has. So this module imports nothing of the engine's module,
+which imports this one.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
+from transformers import PreTrainedTokenizerBase
+
+from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.executor import Executor
 from actors.engine.outputs import SequenceDelta, SequenceTiming
-from kvcache.kv_transfer import KVPayload, KVPayloadMismatchError, check_layout
+from kvcache.kv_transfer import KVPayloadMismatchError, RankPayloads, check_layout
 from scheduling.batch import Batch, StepOutput, TokenLogprobs
 from scheduling.errors import InvalidParameterError
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
+from scheduling.scheduler import Scheduler
 from scheduling.spec_config import SpeculativeConfig
 from scheduling.stop_rule import StopRule
 
-if TYPE_CHECKING:
-    from actors.engine.llm_engine import LLMEngine
+if TYPE_CHECKING:  # only named in annotations: the offline engine runs without importing Ray
+    from ray import ObjectRef
+
+# A ``PrefillResult``'s KV as it travels: the payloads, or on Ray an ``ObjectRef`` to them.
+RankPayloadsOrRef: TypeAlias = "RankPayloads | ObjectRef[RankPayloads]"
+
+
+class PDEngine(Protocol):
+    """What this module's functions use of an engine (``actors.engine.llm_engine.LLMEngine`` has each)."""
+
+    config: EngineConfig
+    executor: Executor
+    scheduler: Scheduler
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_id: int | None
+    # Prefill-only requests' exported prompt KV, by request id, until the prefill's caller takes it.
+    exported: dict[str, RankPayloads]
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    prompt_token_ids: list[int] | None = None) -> int: ...
+
+    def track(self, req: Request) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +72,9 @@ class PrefillResult:
     request_id: str
     first_token: int
     first_logprobs: TokenLogprobs | None
-    # kvcache.kv_transfer.KVPayload per tensor-parallel rank; on Ray an ObjectRef to that tuple, so the
-    # pages are copied into the object store once and only the ref passes the replicas between.
-    kv: Any
+    # On Ray an ObjectRef to the payloads, so the pages are copied into the object store once and
+    # only the ref passes the replicas between; the decode side fetches them before ``add_prefilled``.
+    kv: RankPayloadsOrRef
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_bytes: int
@@ -60,7 +89,7 @@ def check_remote_prefill(params: SamplingParams) -> None:
         raise InvalidParameterError(params.structured_output.param, "constrained requests prefill locally")
 
 
-def start_prefill(engine: LLMEngine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+def start_prefill(engine: PDEngine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
     """Queue a prefill-only request: its prompt, and its first token sampled with ``params``."""
     check_remote_prefill(params)
     first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
@@ -68,7 +97,7 @@ def start_prefill(engine: LLMEngine, request_id: str, prompt_ids: list[int], par
     engine.scheduler.requests[request_id].export_kv = True
 
 
-def collect_exports(engine: LLMEngine, batch: Batch, output: StepOutput) -> None:
+def collect_exports(engine: PDEngine, batch: Batch, output: StepOutput) -> None:
     """Keep the KV that ``batch`` exported, by request id, until the prefill's caller takes it.
 
     Only for requests still live: one aborted while the step ran (its caller
@@ -86,13 +115,15 @@ def collect_exports(engine: LLMEngine, batch: Batch, output: StepOutput) -> None
 
 
 def add_prefilled(
-    engine: LLMEngine, result: PrefillResult, prompt_ids: list[int], params: SamplingParams, *,
+    engine: PDEngine, result: PrefillResult, prompt_ids: list[int], params: SamplingParams, *,
     arrival_time: float, namespace: str | None = None,
 ) -> list[SequenceDelta]:
     """Start ``result``'s request here; returns the delta of its first token (final if that token ends it)."""
     check_remote_prefill(params)
     check_decode_drafting(engine.config.speculative_config)
-    _check_kv(engine, result.kv, len(prompt_ids))
+    kv = result.kv
+    assert isinstance(kv, tuple), "fetch a ray ObjectRef's payloads before add_prefilled"
+    _check_kv(engine, kv, len(prompt_ids))
     rid = result.request_id
     stop = StopRule(params, engine.eos_token_id, IncrementalDetokenizer(engine.tokenizer, prompt_ids))
     req = Request(rid, prompt_ids, params, namespace=namespace, stop_rule=stop, arrival_time=arrival_time)
@@ -102,7 +133,7 @@ def add_prefilled(
     logprobs = [result.first_logprobs] if params.logprobs is not None and result.first_logprobs else None
     timing = None
     if reason is None:
-        req.kv_import = result.kv
+        req.kv_import = kv
         engine.track(req)
     else:  # ended by its first token: nothing to decode, no page taken
         timing = SequenceTiming(arrival_time, req.first_token_time, req.last_token_time, 1, req.first_scheduled_time)
@@ -128,7 +159,7 @@ def check_decode_drafting(speculative_config: SpeculativeConfig | dict[str, Any]
         )
 
 
-def _check_kv(engine: LLMEngine, kv: tuple[KVPayload, ...], num_prompt_tokens: int) -> None:
+def _check_kv(engine: PDEngine, kv: RankPayloads, num_prompt_tokens: int) -> None:
     """Refuse KV this engine's pool cannot take here, before any page is given for it.
 
     Every field the runner checks as it writes (``kvcache.kv_transfer``) is

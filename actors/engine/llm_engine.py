@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any
 
 from xgrammar import CompiledGrammar
 
@@ -24,6 +23,7 @@ from actors.grammar.compiler import GrammarCompiler
 from actors.grammar.states import GrammarStates
 from actors.load.loader import load_tokenizer
 from actors.log import get_logger
+from kvcache.kv_transfer import RankPayloads
 from kvcache.page_allocator import PageAllocator
 from scheduling.batch import Batch, StepOutput, TokenLogprobs
 from scheduling.errors import InvalidParameterError
@@ -71,7 +71,7 @@ class LLMEngine:
         self.grammar_states = GrammarStates(self.vocab_size, self.grammar.closing_path)
         self.constrained_requests = Counter[str]()  # requests added with a constraint, by kind
         # Prefill-only requests' exported prompt KV, by request id, until taken (actors.engine.disaggregation).
-        self.exported: dict[str, tuple[Any, ...]] = {}
+        self.exported: dict[str, RankPayloads] = {}
         # Seconds spent on the step's critical path filling token masks and advancing matchers.
         self.grammar_seconds_total = 0.0
 

@@ -38,13 +38,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
 
 import ray
 import torch
 
 from actors.engine.config import EngineConfig
-from actors.engine.disaggregation import PrefillResult, add_prefilled, start_prefill
+from actors.engine.disaggregation import (
+    PrefillResult,
+    RankPayloadsOrRef,
+    add_prefilled,
+    start_prefill,
+)
 from actors.engine.executor import Executor, LocalExecutor
 from actors.engine.llm_engine import LLMEngine
 from actors.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
@@ -187,7 +191,7 @@ class SchedulerService:
         first_logprobs = seq.logprobs[0] if seq.logprobs else None
         nbytes = sum(p.nbytes for p in kv)
         # On Ray: one copy into the object store here; the replicas between pass only the ref.
-        moved: Any = await asyncio.get_running_loop().run_in_executor(None, ray.put, kv) if ray.is_initialized() else kv
+        moved: RankPayloadsOrRef = await asyncio.get_running_loop().run_in_executor(None, ray.put, kv) if ray.is_initialized() else kv
         return PrefillResult(request_id, seq.token_ids[0], first_logprobs, moved, len(prompt_ids),
                              done.num_cached_tokens, nbytes, time.monotonic() - start)
 

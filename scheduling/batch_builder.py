@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from scheduling.batch import Batch
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
 
-# (request, tokens computed this step, samples a token this step, its draft tokens to
-# verify (the last len() of those tokens), draft tokens the runner proposes after the step)
-Scheduled = tuple[Request, int, bool, list[int], int]
+
+class Scheduled(NamedTuple):
+    """One request's part of a step (a tuple: built and unpacked per request per step, on the hot path)."""
+
+    request: Request
+    num_new_tokens: int  # tokens computed this step, drafts included
+    samples: bool  # the step samples a token for it
+    drafts: list[int]  # draft tokens to verify: the last len() of the step's tokens
+    num_propose: int  # draft tokens the runner proposes after the step
 
 
 def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:

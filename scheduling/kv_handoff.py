@@ -27,8 +27,9 @@ def kv_exports(scheduled: list[Scheduled], kv: RequestPages) -> list[tuple[int, 
     """(index among the step's sampled sequences, prompt pages) of each prefill-only request sampling now."""
     exports: list[tuple[int, list[int]]] = []
     j = 0
-    for req, _, samples, _, _ in scheduled:
-        if samples:
+    for entry in scheduled:
+        if entry.samples:
+            req = entry.request
             if req.export_kv:
                 exports.append((j, req.pages[: kv.pages_for(req.num_prompt_tokens)]))
             j += 1
@@ -53,8 +54,8 @@ def take_imported(kv: RequestPages, req: Request, imports: list[tuple[list[int],
 
 def imports_written(scheduled: list[Scheduled]) -> None:
     """The step that imported these requests' KV ran: their pages hold it now."""
-    for req, _, _, _, _ in scheduled:
-        req.kv_import = None
+    for entry in scheduled:
+        entry.request.kv_import = None
 
 
 def drop_unwritten(req: Request) -> None:

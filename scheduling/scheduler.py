@@ -134,7 +134,7 @@ class Scheduler:
 
     def requests_in_step(self, step: int) -> list[Request]:
         """The requests a step still in flight was planned for (empty once updated)."""
-        return [entry[0] for entry in self._in_flight.get(step, ())]
+        return [entry.request for entry in self._in_flight.get(step, ())]
 
     def is_in_flight(self, step: int) -> bool:
         """Whether ``step`` was planned and not yet settled by ``update``."""
@@ -185,7 +185,7 @@ class Scheduler:
                     if n == 1:
                         drafts = spec.drafts(req, min(spec.max_drafts(req), budget - 1))
                     speculating.append((len(scheduled), drafts))
-                scheduled.append((req, n, samples, _NO_DRAFTS, 0))
+                scheduled.append(Scheduled(req, n, samples, _NO_DRAFTS, 0))
                 budget -= n + len(drafts)  # the drafts' budget is held; their pages come last
                 i += 1
         imports: list[tuple[list[int], RankPayloads]] = []  # P/D: prompt KV that arrived (kv_handoff)
@@ -213,7 +213,7 @@ class Scheduler:
                 if not take_imported(self.kv, req, imports):
                     break
                 self._start_running(req)
-                scheduled.append((req, 1, True, _NO_DRAFTS, 0))
+                scheduled.append(Scheduled(req, 1, True, _NO_DRAFTS, 0))
                 budget -= 1
                 continue
             match: PrefixMatch | None = None
@@ -239,7 +239,7 @@ class Scheduler:
             samples = req.num_computed_tokens + n == req.num_tokens
             if spec is not None and samples:
                 speculating.append((len(scheduled), _NO_DRAFTS))
-            scheduled.append((req, n, samples, _NO_DRAFTS, 0))
+            scheduled.append(Scheduled(req, n, samples, _NO_DRAFTS, 0))
             budget -= n
         return budget
 
@@ -255,7 +255,7 @@ class Scheduler:
         for k, wanted in speculating:
             req, n, samples, _, _ = scheduled[k]
             drafts, propose = spec.reserve(self.kv, req, n, wanted)
-            scheduled[k] = (req, n + len(drafts), samples, drafts, propose)
+            scheduled[k] = Scheduled(req, n + len(drafts), samples, drafts, propose)
 
     def _start_running(self, req: Request) -> None:
         """Move the head of ``waiting`` (``req``) into the running batch."""

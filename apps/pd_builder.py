@@ -31,12 +31,12 @@ from ray.serve import Application, Deployment
 
 from actors.engine.config import EngineConfig
 from actors.engine.disaggregation import check_decode_drafting
-from apps.prefill_server import PrefillServer
-from apps.remote_prefill import (
+from apps.disaggregation import (
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
     check_remote_options,
 )
+from apps.prefill_server import PrefillServer
 from scheduling.errors import InvalidParameterError
 
 POOLS = ("prefill", "decode")

@@ -51,14 +51,14 @@ from apps import protocol as p
 from apps import request_params as rq
 from apps.auth import ApiKeyAuth
 from apps.detached import detached
-from apps.errors import APIError
-from apps.local_scheduler import LocalScheduler
-from apps.prompt_encoder import PromptEncoder
-from apps.remote_prefill import (
+from apps.disaggregation import (
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
     RemotePrefill,
 )
+from apps.errors import APIError
+from apps.local_scheduler import LocalScheduler
+from apps.prompt_encoder import PromptEncoder
 from apps.replica_stats import ReplicaStats
 from apps.request_body import read_body
 from apps.request_kind import RequestKind

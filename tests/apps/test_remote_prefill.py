@@ -9,8 +9,8 @@ import pytest
 
 from actors.engine.disaggregation import PrefillResult
 from apps.builder import build_app
+from apps.disaggregation import DEFAULT_REMOTE_PREFILL_TIMEOUT_S, PREFILL_ATTEMPTS, RemotePrefill
 from apps.errors import APIError
-from apps.remote_prefill import DEFAULT_REMOTE_PREFILL_TIMEOUT_S, PREFILL_ATTEMPTS, RemotePrefill
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput

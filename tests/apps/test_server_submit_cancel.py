@@ -17,7 +17,7 @@ import pytest
 
 from actors.engine.disaggregation import PrefillResult
 from apps import protocol as p
-from apps.remote_prefill import RemotePrefill
+from apps.disaggregation import RemotePrefill
 from apps.request_kind import RequestKind
 from apps.server import LLMServer
 from scheduling.sampling_params import SamplingParams

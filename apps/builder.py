@@ -43,7 +43,7 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from actors.engine.config import EngineConfig
-from apps.pd_builder import prefill_app, split_pd, with_pool
+from apps.disaggregation import prefill_app, split_pd, with_pool
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
 from cluster.autoscaling import serve_autoscaling_config
@@ -106,7 +106,7 @@ def deployment_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """The OpenAI-compatible application for ``args`` (see the module docstring; ``pd``: ``apps.pd_builder``)."""
+    """The OpenAI-compatible application for ``args`` (see the module docstring; ``pd``: ``apps.disaggregation``)."""
     args = dict(args)
     pd = split_pd(args) if "pd" in args else None
     engine, options = split_args(args)

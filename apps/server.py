@@ -141,7 +141,7 @@ class LLMServer(ReplicaStats):
                 raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
         replica_id = f"replica-{uuid.uuid4().hex[:12]}"
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
-        # P/D: ``prefill`` is the handle of the app's prefill pool (apps.prefill_server); long prompts go there.
+        # P/D: ``prefill`` is the handle of the app's prefill pool (apps.disaggregation); long prompts go there.
         self._remote = None if prefill is None else RemotePrefill(
             prefill, self._actor, min_tokens=remote_prefill_min_tokens, timeout_s=remote_prefill_timeout_s,
             record=self.metrics.record)

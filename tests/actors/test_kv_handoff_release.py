@@ -23,7 +23,7 @@ from actors.engine.disaggregation import PrefillResult
 from actors.engine.outputs import SequenceDelta
 from actors.engine.stats import EngineStats
 from actors.remote.scheduler_actor import SchedulerService
-from apps.pd_builder import split_pd
+from apps.disaggregation import split_pd
 from kvcache.kv_transfer import KVPayload
 from scheduling.errors import InvalidParameterError
 from scheduling.spec_config import SpeculativeConfig

@@ -67,18 +67,18 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any, cast
 
-import ray
 from ray import serve
 from ray.serve import Application, Deployment
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from actors.engine.config import EngineConfig
 from actors.engine.disaggregation import PrefillResult, check_decode_drafting
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from actors.engine.stats import EngineStats, LatencyWindow
-from actors.remote.scheduler_actor import SchedulerActor
+from actors.remote.scheduler_handle import ActorScheduler, SchedulerHandle
 from apps.detached import detached
 from apps.errors import APIError
-from apps.replica_stats import STATS_TIMEOUT_S, recent_latency_window
+from apps.replica_stats import HEALTH_TIMEOUT_S, STATS_TIMEOUT_S, recent_latency_window
 from cluster.autoscaling_metrics import autoscaling_stats
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
@@ -101,12 +101,12 @@ def check_remote_options(min_tokens: int, timeout_s: float) -> None:
 class RemotePrefill:
     """The prefill pool (a Serve handle to ``PrefillServer``) as seen from one decode replica."""
 
-    def __init__(self, handle: Any, actor: Any, *, min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
-                 timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
-                 record: Callable[..., None] | None = None) -> None:
+    def __init__(self, handle: DeploymentHandle, scheduler: SchedulerHandle, *,
+                 min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS, timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
+                 record: Callable[[str, float], None] | None = None) -> None:
         check_remote_options(min_tokens, timeout_s)
         self.handle = handle
-        self.actor = actor
+        self.scheduler = scheduler
         self.min_tokens = min_tokens
         self.timeout_s = timeout_s
         self.num_remote = 0
@@ -119,7 +119,7 @@ class RemotePrefill:
         """Whether this request's prompt should be computed on the prefill pool."""
         if params.n != 1 or params.structured_output is not None or len(prompt_ids) < self.min_tokens:
             return False
-        cached: int = await self.actor.cached_prefix_tokens.remote(prompt_ids)
+        cached = await self.scheduler.cached_prefix_tokens(prompt_ids)
         return len(prompt_ids) - cached >= self.min_tokens
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, consumer_id: str) -> int:
@@ -134,7 +134,7 @@ class RemotePrefill:
             try:
                 result = await self._prefill(f"{request_id}.p{attempt}", prompt_ids, params)
                 handed = time.monotonic()
-                num: int = await self.actor.submit_prefilled.remote(
+                num = await self.scheduler.submit_prefilled(
                     replace(result, request_id=request_id), prompt_ids, params, handed - start, consumer_id=consumer_id)
             except InvalidParameterError:
                 raise  # the request's fault: no other replica would take it either
@@ -157,18 +157,16 @@ class RemotePrefill:
 
     async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PrefillResult:
         """One remote prefill; after ``timeout_s`` without a result its call is cancelled and it fails."""
-        response = self.handle.prefill.remote(request_id, prompt_ids, params)
+        # A unary method's call: a response, never a stream.
+        response = cast(DeploymentResponse[PrefillResult], self.handle.prefill.remote(request_id, prompt_ids, params))
         try:
-            result: PrefillResult = await asyncio.wait_for(response, self.timeout_s)
+            result = await asyncio.wait_for(response, self.timeout_s)
         except TimeoutError:
             # Awaiting no more does not stop the call: cancel it, so the replica ends it and its
             # scheduler aborts the request (PrefillServer.prefill), whenever that replica wakes.
             response.cancel()
             raise TimeoutError(f"no prefill result within {self.timeout_s} s") from None
         return result
-
-
-HEALTH_TIMEOUT_S = 10.0
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=10.0)
@@ -178,10 +176,8 @@ class PrefillServer:
     def __init__(self, engine: dict[str, Any], *, scheduler_options: dict[str, Any] | None = None,
                  startup_timeout_s: float = 600.0) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
-        self._actor = SchedulerActor.options(**(scheduler_options or {})).remote(self.config)
-        status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
-        if not status.ok:
-            raise RuntimeError(f"the prefill scheduler actor is not healthy: {status.message}")
+        self._scheduler = ActorScheduler.start(self.config, scheduler_options, startup_timeout_s=startup_timeout_s,
+                                               role="prefill scheduler actor")
         self._latency: LatencyWindow = recent_latency_window()
         self._aborts: set[asyncio.Task[None]] = set()  # aborts of cancelled calls still running
 
@@ -189,7 +185,7 @@ class PrefillServer:
         """The prompt's first token and KV (see ``SchedulerService.prefill``)."""
         start = time.monotonic()
         try:
-            result: PrefillResult = await self._actor.prefill.remote(request_id, prompt_ids, params)
+            result = await self._scheduler.prefill(request_id, prompt_ids, params)
         except asyncio.CancelledError:
             # Cancelling the await does not end the actor's call: abort it there, from a task this
             # cancel does not reach (apps.detached), or its pages stay taken until it finishes.
@@ -205,11 +201,10 @@ class PrefillServer:
 
     async def _abort(self, request_id: str) -> None:
         with contextlib.suppress(Exception):  # the actor is gone: nothing left to free
-            await self._actor.abort.remote(request_id)
+            await self._scheduler.abort(request_id)
 
     async def engine_stats(self) -> EngineStats:
-        stats: EngineStats = await asyncio.wait_for(self._actor.stats.remote(), STATS_TIMEOUT_S)
-        return stats
+        return await asyncio.wait_for(self._scheduler.stats(), STATS_TIMEOUT_S)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue figures of the engine and the recent P95 time to a prefill result (as TTFT)."""
@@ -219,13 +214,13 @@ class PrefillServer:
         return autoscaling_stats(stats, ttft_ms_p95=ttft, tpot_ms_p95=0.0)
 
     async def check_health(self) -> None:
-        status = await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
+        status = await asyncio.wait_for(self._scheduler.health(), HEALTH_TIMEOUT_S)
         if not status.ok and not status.restarting:
             raise RuntimeError(f"the prefill scheduler actor cannot serve: {status.message}")
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            ray.kill(self._actor, no_restart=True)
+            self._scheduler.close()
 
 
 POOLS = ("prefill", "decode")

@@ -1,17 +1,19 @@
-"""The replica's scheduler in the replica's own process, called like a ``SchedulerActor`` handle.
+"""The replica's scheduler in the replica's own process: a ``SchedulerHandle`` like the actor's.
 
 With ``scheduler_placement: replica`` an ``LLMServer`` builds its
 ``SchedulerService`` here instead of as a separate actor: the engine loop
 runs on the replica's event loop and the forward on its own engine thread,
 so a request's submit and every step's deltas cross no process boundary
 (no Ray call, no pickling). The rest of the replica is unchanged: it calls
-``handle.<method>.remote(...)`` and awaits the result, exactly as with the
-actor, and ``StreamFanout`` long-polls ``next_outputs`` the same way.
+the same ``SchedulerHandle`` methods (``actors.remote.scheduler_handle``) as
+on the actor's ``ActorScheduler``, and ``StreamFanout`` long-polls
+``next_outputs`` the same way.
 
 Threads: the service's state belongs to one event loop (its docstring says
-why that needs no further locking). ``remote`` runs the method as a task on
-that loop; called from any other thread's loop (Serve may call the stats
-hooks elsewhere) it is handed over with ``run_coroutine_threadsafe``.
+why that needs no further locking). Each method starts the service's
+coroutine as a task on that loop (``run``); called from any other thread's
+loop (Serve may call the stats hooks elsewhere) it is handed over with
+``run_coroutine_threadsafe``.
 
 Threads: Serve reserves one CPU for every replica unless told otherwise,
 and ``actors.remote.cpu_threads`` would turn that reservation into a one-thread
@@ -29,17 +31,20 @@ owns, so they end with it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from actors.engine.config import EngineConfig
+from actors.engine.disaggregation import PrefillResult
+from actors.engine.outputs import RequestOutput
+from actors.engine.stats import EngineStats
 from actors.remote.cpu_threads import ray_reserved_cpus, usable_cores
 from actors.remote.scheduler_actor import SchedulerService
+from actors.remote.step_messages import HealthStatus, StepMessage
+from scheduling.sampling_params import SamplingParams
 
-# The service methods a replica calls; anything else is a programming error, not a silent no-op.
-METHODS = ("submit", "abort", "next_outputs", "stats", "health", "shutdown", "generate")
-
+T = TypeVar("T")
 
 SERVE_DEFAULT_REPLICA_CPUS = 1  # Serve's num_cpus for a replica that names none
 
@@ -52,20 +57,8 @@ def with_forward_threads(config: EngineConfig) -> EngineConfig:
     return replace(config, cpu_threads=reserved if reserved > SERVE_DEFAULT_REPLICA_CPUS else usable_cores())
 
 
-class _Method:
-    """``handle.<name>``: ``remote(*args)`` starts the call and returns an awaitable of its result."""
-
-    def __init__(self, owner: LocalScheduler, name: str) -> None:
-        self._owner = owner
-        self._name = name
-
-    def remote(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        fn: Callable[..., Coroutine[Any, Any, Any]] = getattr(self._owner.service, self._name)
-        return self._owner.run(fn(*args, **kwargs))
-
-
 class LocalScheduler:
-    """A ``SchedulerService`` in this process behind the ``SchedulerActor`` handle's call shape."""
+    """A ``SchedulerService`` in this process as a ``SchedulerHandle``; also ``generate`` and ``shutdown``."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.service = SchedulerService(with_forward_threads(config))
@@ -74,12 +67,42 @@ class LocalScheduler:
         except RuntimeError:  # built outside a loop: the first call's loop becomes the service's
             self._loop = None
 
-    def __getattr__(self, name: str) -> _Method:
-        if name in METHODS:
-            return _Method(self, name)
-        raise AttributeError(f"{type(self).__name__} has no method {name!r}")
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               namespace: str | None = None, *, consumer_id: str) -> Awaitable[int]:
+        return self.run(self.service.submit(request_id, prompt, params, namespace, consumer_id=consumer_id))
 
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Awaitable[Any]:
+    def submit_prefilled(self, result: PrefillResult, prompt_ids: list[int], params: SamplingParams,
+                         waited_s: float, *, consumer_id: str) -> Awaitable[int]:
+        return self.run(self.service.submit_prefilled(result, prompt_ids, params, waited_s, consumer_id=consumer_id))
+
+    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Awaitable[PrefillResult]:
+        return self.run(self.service.prefill(request_id, prompt_ids, params))
+
+    def cached_prefix_tokens(self, prompt_ids: list[int], namespace: str | None = None) -> Awaitable[int]:
+        return self.run(self.service.cached_prefix_tokens(prompt_ids, namespace))
+
+    def abort(self, request_id: str) -> Awaitable[bool]:
+        return self.run(self.service.abort(request_id))
+
+    def next_outputs(self, consumer_id: str, timeout_s: float) -> Awaitable[list[StepMessage]]:
+        return self.run(self.service.next_outputs(consumer_id, timeout_s))
+
+    def stats(self) -> Awaitable[EngineStats]:
+        return self.run(self.service.stats())
+
+    def health(self) -> Awaitable[HealthStatus]:
+        return self.run(self.service.health())
+
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 namespace: str | None = None) -> Awaitable[RequestOutput]:
+        """Submit and wait for the finished output (``SchedulerService.generate``)."""
+        return self.run(self.service.generate(request_id, prompt, params, namespace))
+
+    def shutdown(self) -> Awaitable[None]:
+        """The orderly, awaited teardown (``SchedulerService.shutdown``)."""
+        return self.run(self.service.shutdown())
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
         """Start ``coro`` on the service's loop now; the result is awaitable on the caller's loop."""
         current = asyncio.get_running_loop()
         if self._loop is None:

@@ -8,7 +8,7 @@
 - ``record_routing_stats``: called every ``request_routing_stats_period_s``;
   its dict reaches the router as ``RunningReplica.routing_stats``.
 
-Both read the replica's own ``SchedulerActor`` (``self._actor``) and stream
+Both read the replica's own scheduler (``self._scheduler``) and stream
 fan-out (``self._fanout``), which ``LLMServer.__init__`` sets.
 
 Latency: both windows are ``actors.engine.stats.LatencyWindow`` over the same
@@ -32,10 +32,13 @@ from typing import Any
 
 from actors.engine.outputs import SequenceDelta
 from actors.engine.stats import EngineStats, LatencyWindow
+from actors.remote.scheduler_handle import SchedulerHandle
+from apps.stream_fanout import StreamFanout
 from cluster.autoscaling_metrics import autoscaling_stats
 from cluster.request_router import ROUTING_NUM_OPEN
 
 STATS_TIMEOUT_S = 5.0  # below Serve's 10 s limit on record_autoscaling_stats
+HEALTH_TIMEOUT_S = 10.0  # a replica's wait for its scheduler's health or stats (check_health, /health, /metrics)
 LATENCY_WINDOW_S = 10.0
 
 
@@ -47,8 +50,8 @@ def recent_latency_window() -> LatencyWindow:
 class ReplicaStats:
     """Mixin of ``LLMServer``: ``record_autoscaling_stats`` and ``record_routing_stats``."""
 
-    _actor: Any
-    _fanout: Any
+    _scheduler: SchedulerHandle
+    _fanout: StreamFanout
     _recent_latency: LatencyWindow | None = None
 
     def latency_observer(
@@ -71,8 +74,7 @@ class ReplicaStats:
     async def engine_stats(self) -> EngineStats:
         """The engine's stats; also for ``DeploymentHandle`` callers (tools, tests), who have no
         scheduler actor to ask when ``scheduler_placement=replica``."""
-        stats: EngineStats = await asyncio.wait_for(self._actor.stats.remote(), STATS_TIMEOUT_S)
-        return stats
+        return await asyncio.wait_for(self._scheduler.stats(), STATS_TIMEOUT_S)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Waiting and running requests, KV use and recent TTFT/TPOT P95 (ms) of this replica."""

@@ -4,7 +4,8 @@ Each replica owns one ``SchedulerActor`` (created in ``__init__``, waited on
 until healthy) and one ``StreamFanout`` task that long-polls it, so a replica
 makes at most one output call per engine step. With
 ``scheduler_placement="replica"`` the scheduler runs in the replica's own
-process instead (``apps.local_scheduler``), behind the same call shape. The replica tokenizes (and
+process instead (``apps.local_scheduler``); either is a ``SchedulerHandle``
+(``actors.remote.scheduler_handle``). The replica tokenizes (and
 applies the chat template) itself and submits token ids, so usage counts are
 exact; long prompts are encoded off the event loop (``apps.prompt_encoder``).
 A completions batch (``prompt`` a list of prompts) is one engine request per
@@ -35,6 +36,7 @@ import contextlib
 import functools
 import time
 import uuid
+from collections.abc import Coroutine
 from typing import Any
 
 import ray
@@ -42,11 +44,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.engine.config import EngineConfig
 from actors.load.loader import load_tokenizer, resolve_model_path
-from actors.remote.scheduler_actor import SchedulerActor
+from actors.remote.scheduler_handle import ActorScheduler, SchedulerHandle
 from apps import protocol as p
 from apps import request_params as rq
 from apps.auth import ApiKeyAuth
@@ -59,7 +62,7 @@ from apps.disaggregation import (
 from apps.errors import APIError
 from apps.local_scheduler import LocalScheduler
 from apps.prompt_encoder import PromptEncoder
-from apps.replica_stats import ReplicaStats
+from apps.replica_stats import HEALTH_TIMEOUT_S, ReplicaStats
 from apps.request_body import read_body
 from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
@@ -73,7 +76,6 @@ from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
 app = FastAPI(title="flotilla", docs_url=None, redoc_url=None)
-HEALTH_TIMEOUT_S = 10.0
 DEFAULT_MAX_QUEUED_REQUESTS = 256  # per replica, beyond max_num_seqs; more get 429 + Retry-After
 
 
@@ -115,7 +117,7 @@ class LLMServer(ReplicaStats):
                  max_body_bytes: int = rq.DEFAULT_MAX_BODY_BYTES, startup_timeout_s: float = 600.0,
                  api_keys: str | list[str] | None = None,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
-                 scheduler_placement: str = DEFAULT_PLACEMENT, prefill: Any = None,
+                 scheduler_placement: str = DEFAULT_PLACEMENT, prefill: DeploymentHandle | None = None,
                  remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
                  remote_prefill_timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
@@ -131,21 +133,18 @@ class LLMServer(ReplicaStats):
         self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
         self._encoder = PromptEncoder(self.tokenizer)
         self._token_text = TokenText(self.tokenizer)
-        self._actor: Any
+        self._scheduler: SchedulerHandle
         if scheduler_placement == "replica":
-            self._actor = LocalScheduler(self.config)  # built (model loaded) when this returns
+            self._scheduler = LocalScheduler(self.config)  # built (model loaded) when this returns
         else:
-            self._actor = SchedulerActor.options(**(scheduler_options or {})).remote(self.config)
-            status = ray.get(self._actor.health.remote(), timeout=startup_timeout_s)
-            if not status.ok:
-                raise RuntimeError(f"the scheduler actor is not healthy: {status.message}")
+            self._scheduler = ActorScheduler.start(self.config, scheduler_options, startup_timeout_s=startup_timeout_s)
         replica_id = f"replica-{uuid.uuid4().hex[:12]}"
         self.metrics = ReplicaMetrics(self.model_name, replica_id)
         # P/D: ``prefill`` is the handle of the app's prefill pool (apps.disaggregation); long prompts go there.
         self._remote = None if prefill is None else RemotePrefill(
-            prefill, self._actor, min_tokens=remote_prefill_min_tokens, timeout_s=remote_prefill_timeout_s,
+            prefill, self._scheduler, min_tokens=remote_prefill_min_tokens, timeout_s=remote_prefill_timeout_s,
             record=self.metrics.record)
-        self._fanout = StreamFanout(self._actor, replica_id, observer=self.latency_observer(self.metrics.observe))
+        self._fanout = StreamFanout(self._scheduler, replica_id, observer=self.latency_observer(self.metrics.observe))
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 
     async def check_health(self) -> None:
@@ -157,8 +156,8 @@ class LLMServer(ReplicaStats):
         A restart in progress passes: it ends in ok or in a failed restart.
         Also (re)starts the task that keeps Ray's copy of the metrics fresh (idempotent).
         """
-        self.metrics.start_reporting(self._actor.stats.remote)
-        status = await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
+        self.metrics.start_reporting(self._scheduler.stats)
+        status = await asyncio.wait_for(self._scheduler.health(), HEALTH_TIMEOUT_S)
         if not status.ok and not status.restarting:
             raise RuntimeError(f"the scheduler actor cannot serve: {status.message}")
 
@@ -167,10 +166,7 @@ class LLMServer(ReplicaStats):
         with contextlib.suppress(Exception):
             self._fanout.cancel()
             self.metrics.stop_reporting()
-            if isinstance(self._actor, LocalScheduler):
-                self._actor.close()
-            else:
-                ray.kill(self._actor, no_restart=True)
+            self._scheduler.close()
 
     # ----------------------------------------------------------------- routes
     @app.post("/v1/completions")
@@ -198,7 +194,7 @@ class LLMServer(ReplicaStats):
     async def health(self) -> Response:
         """200 when the scheduler actor reports ok, else 503 with its reason."""
         try:
-            status = await asyncio.wait_for(self._actor.health.remote(), HEALTH_TIMEOUT_S)
+            status = await asyncio.wait_for(self._scheduler.health(), HEALTH_TIMEOUT_S)
         except Exception:
             return error_json(APIError(503, "the scheduler actor is unreachable"))
         if not status.ok:
@@ -209,7 +205,7 @@ class LLMServer(ReplicaStats):
     async def metrics_text(self) -> Response:
         """Prometheus text: this replica's request, token, latency, KV and memory figures."""
         with contextlib.suppress(Exception):  # the engine is down: serve the last figures (/health says why)
-            self.metrics.update(await asyncio.wait_for(self._actor.stats.remote(), HEALTH_TIMEOUT_S))
+            self.metrics.update(await asyncio.wait_for(self._scheduler.stats(), HEALTH_TIMEOUT_S))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
@@ -322,17 +318,16 @@ class LLMServer(ReplicaStats):
         even when the handler is cancelled (the caller awaits it shielded), so an abort can follow it."""
         consumer = self._fanout.consumer_id
         if self._remote is None:
-            return asyncio.ensure_future(self._actor.submit.remote(request_id, prompt_ids, params, consumer_id=consumer))
+            return asyncio.ensure_future(self._scheduler.submit(request_id, prompt_ids, params, consumer_id=consumer))
         return asyncio.ensure_future(self._submit_routed(request_id, prompt_ids, params, consumer))
 
     async def _submit_routed(self, request_id: str, prompt_ids: list[int], params: SamplingParams, consumer: str) -> int:
         assert self._remote is not None
         if await self._remote.wants(prompt_ids, params):
             return await self._remote.submit(request_id, prompt_ids, params, consumer)
-        num: int = await self._actor.submit.remote(request_id, prompt_ids, params, consumer_id=consumer)
-        return num
+        return await self._scheduler.submit(request_id, prompt_ids, params, consumer_id=consumer)
 
-    def _background(self, coro: Any) -> None:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` detached from the (cancelled) handler, holding a reference until it ends."""
         task = detached(coro)
         self._tasks.add(task)
@@ -349,7 +344,7 @@ class LLMServer(ReplicaStats):
 
     async def _abort(self, request_id: str) -> None:
         with contextlib.suppress(Exception):  # the actor is gone: nothing left to free
-            await self._actor.abort.remote(request_id)
+            await self._scheduler.abort(request_id)
 
     def _release(self, stream: RequestStream) -> None:
         """Stop routing; abort in the actor what is unfinished (fire-and-forget: we may be cancelled)."""

@@ -28,12 +28,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 from ray.exceptions import ActorDiedError
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from actors.engine.outputs import SequenceDelta
+from actors.remote.scheduler_handle import SchedulerHandle
 from apps.detached import detached
 from apps.errors import APIError
 
@@ -48,10 +49,10 @@ FAIL_AFTER_S = 5.0
 class StreamFanout:
     """Routes the scheduler actor's step messages to per-request queues (one event loop)."""
 
-    def __init__(self, actor: Any, consumer_id: str, *, poll_timeout_s: float = 1.0,
+    def __init__(self, scheduler: SchedulerHandle, consumer_id: str, *, poll_timeout_s: float = 1.0,
                  observer: Callable[[list[SequenceDelta]], None] | None = None,
                  fail_after_s: float = FAIL_AFTER_S) -> None:
-        self._actor = actor
+        self._scheduler = scheduler
         self._fail_after_s = fail_after_s
         self._observer = observer  # sees every step's deltas first (metrics)
         self.consumer_id = consumer_id
@@ -115,7 +116,7 @@ class StreamFanout:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                messages = await self._actor.next_outputs.remote(self.consumer_id, self._poll_timeout_s)
+                messages = await self._scheduler.next_outputs(self.consumer_id, self._poll_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -238,7 +239,7 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(content, media_type="text/event-stream")
         self._on_close = on_close
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

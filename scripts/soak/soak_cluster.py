@@ -73,7 +73,7 @@ def cluster(model: str, *, num_replicas: int, num_cpus: int, engine: dict[str, A
 
 
 def _scheduler_of(replica: Any) -> Any:
-    return replica._replica_impl._user_callable_wrapper._callable._actor
+    return replica._replica_impl._user_callable_wrapper._callable._scheduler.actor  # an ActorScheduler's
 
 
 def replicas(timeout_s: float = 3.0) -> list[Replica]:

@@ -1,4 +1,4 @@
-"""The scheduler in the caller's process (``scheduler_placement=replica``), through the actor's call shape.
+"""The scheduler in the caller's process (``scheduler_placement=replica``), as a ``SchedulerHandle``.
 
 No Ray cluster: ``LocalScheduler`` runs ``SchedulerService`` on the test's
 own event loop, the forward on its engine thread.
@@ -51,10 +51,10 @@ def test_generate_matches_the_offline_engine(config: EngineConfig) -> None:
     async def run() -> list[RequestOutput]:
         handle = LocalScheduler(config)
         try:
-            return list(await asyncio.gather(*(handle.generate.remote(f"r{i}", p, GREEDY)
+            return list(await asyncio.gather(*(handle.generate(f"r{i}", p, GREEDY)
                                                for i, p in enumerate(PROMPTS))))
         finally:
-            await handle.shutdown.remote()
+            await handle.shutdown()
 
     got = asyncio.run(asyncio.wait_for(run(), TIMEOUT))
     assert [o.outputs[0].token_ids for o in got] == expected
@@ -66,17 +66,17 @@ def test_a_consumer_polls_every_delta_and_pages_come_back(config: EngineConfig) 
         tokens: dict[str, list[int]] = {}
         reasons: dict[str, str | None] = {}
         try:
-            lengths = await asyncio.gather(*(handle.submit.remote(f"s{i}", p, GREEDY, consumer_id="c")
+            lengths = await asyncio.gather(*(handle.submit(f"s{i}", p, GREEDY, consumer_id="c")
                                              for i, p in enumerate(PROMPTS)))
             assert lengths == [len(p) for p in PROMPTS]
             while len(reasons) < len(PROMPTS) or any(r is None for r in reasons.values()):
-                for message in await handle.next_outputs.remote("c", 1.0):
+                for message in await handle.next_outputs("c", 1.0):
                     for d in message.deltas:
                         tokens.setdefault(d.request_id, []).extend(d.token_ids)
                         reasons[d.request_id] = d.finish_reason
-            return tokens, reasons, await handle.stats.remote()
+            return tokens, reasons, await handle.stats()
         finally:
-            await handle.shutdown.remote()
+            await handle.shutdown()
 
     tokens, reasons, stats = asyncio.run(asyncio.wait_for(run(), TIMEOUT))
     assert all(len(t) == GREEDY.max_tokens for t in tokens.values()) and len(tokens) == len(PROMPTS)
@@ -90,14 +90,14 @@ def test_abort_frees_the_pages_of_a_running_request(config: EngineConfig) -> Non
     async def run() -> tuple[bool, EngineStats, EngineStats]:
         handle = LocalScheduler(config)
         try:
-            await handle.submit.remote("long", PROMPTS[3], long, consumer_id="c")
-            while not any(d.token_ids for m in await handle.next_outputs.remote("c", 1.0) for d in m.deltas):
+            await handle.submit("long", PROMPTS[3], long, consumer_id="c")
+            while not any(d.token_ids for m in await handle.next_outputs("c", 1.0) for d in m.deltas):
                 pass  # next_outputs waits for a step: this loop does not spin
-            busy = await handle.stats.remote()
-            aborted = await handle.abort.remote("long")
-            return aborted, busy, await handle.stats.remote()
+            busy = await handle.stats()
+            aborted = await handle.abort("long")
+            return aborted, busy, await handle.stats()
         finally:
-            await handle.shutdown.remote()
+            await handle.shutdown()
 
     aborted, busy, after = asyncio.run(asyncio.wait_for(run(), TIMEOUT))
     assert aborted and busy.num_kv_pages_free < busy.num_kv_pages_total and busy.num_running == 1
@@ -111,11 +111,11 @@ def test_a_call_from_another_threads_loop_runs_on_the_services_loop(config: Engi
     async def run() -> None:
         handle = LocalScheduler(config)
         try:
-            await handle.generate.remote("warm", PROMPTS[0], GREEDY)
+            await handle.generate("warm", PROMPTS[0], GREEDY)
 
             def other_thread() -> None:
                 async def ask() -> EngineStats:
-                    stats: EngineStats = await handle.stats.remote()
+                    stats: EngineStats = await handle.stats()
                     return stats
                 try:
                     seen.append(asyncio.run(ask()))
@@ -127,7 +127,7 @@ def test_a_call_from_another_threads_loop_runs_on_the_services_loop(config: Engi
             # The service's loop must keep running while the other thread waits on it.
             await asyncio.get_running_loop().run_in_executor(None, worker.join, TIMEOUT)
         finally:
-            await handle.shutdown.remote()
+            await handle.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), TIMEOUT))
     assert len(seen) == 1 and isinstance(seen[0], EngineStats), seen
@@ -139,12 +139,12 @@ def test_bad_input_and_unknown_methods_are_clear_errors(config: EngineConfig) ->
         handle = LocalScheduler(config)
         try:
             with pytest.raises(InvalidParameterError) as err:
-                await handle.submit.remote("bad", [1] * 500, GREEDY)  # longer than max_model_len
+                await handle.submit("bad", [1] * 500, GREEDY, consumer_id="c")  # longer than max_model_len
             assert err.value.param
-            with pytest.raises(AttributeError, match="no method 'step'"):
-                handle.step.remote()
+            with pytest.raises(AttributeError, match="'step'"):
+                handle.step()
         finally:
-            await handle.shutdown.remote()
+            await handle.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), TIMEOUT))
 

@@ -40,6 +40,8 @@ class Call:
 
 
 class Method:
+    """A method of a fake Serve handle (``remote``) or scheduler (called)."""
+
     def __init__(self, outcomes: list[Any]) -> None:
         self.outcomes, self.calls = outcomes, []
         self.responses: list[Call] = []
@@ -48,6 +50,8 @@ class Method:
         self.calls.append(args)
         self.responses.append(Call(self.outcomes.pop(0)))
         return self.responses[-1]
+
+    __call__ = remote  # a SchedulerHandle's method makes the call as a Serve handle's ``remote`` does
 
 
 class Fake:

@@ -1,6 +1,6 @@
 """A replica that cannot serve leaves rotation; one that hiccups keeps its streams.
 
-``LLMServer.check_health`` (Serve's probe) against a fake scheduler actor, and
+``LLMServer.check_health`` (Serve's probe) against a fake scheduler, and
 ``StreamFanout``'s handling of failed polls: a transient error is retried with
 the streams kept, a dead actor (or errors that persist) ends them.
 """
@@ -24,12 +24,12 @@ WAIT_S = 10.0
 
 
 class _Remote:
-    """``.remote(...)`` of a fake actor method: pops the next scripted outcome (a value or an exception)."""
+    """A fake scheduler method: each call pops the next scripted outcome (a value or an exception)."""
 
     def __init__(self, script: list[Any], then: Any = None) -> None:
         self.script, self.then, self.calls = script, then, 0
 
-    async def remote(self, *args: Any) -> Any:
+    async def __call__(self, *args: Any) -> Any:
         self.calls += 1
         outcome = self.script.pop(0) if self.script else self.then
         if isinstance(outcome, BaseException):
@@ -45,7 +45,7 @@ def _check_health(status: HealthStatus) -> None:
     cls: Any = LLMServer.func_or_class  # type: ignore[attr-defined]
     method = next(vars(c)["check_health"] for c in cls.__mro__ if "check_health" in vars(c))
     replica = SimpleNamespace(metrics=SimpleNamespace(start_reporting=lambda poll: None),
-                              _actor=SimpleNamespace(health=_Remote([status]), stats=_Remote([])))
+                              _scheduler=SimpleNamespace(health=_Remote([status]), stats=_Remote([])))
     asyncio.run(method(replica))
 
 

@@ -26,13 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class _FakeActor:
-    """``next_outputs.remote`` hands out scripted batches, then raises (the actor died)."""
+    """``next_outputs`` hands out scripted batches, then raises (the actor died)."""
 
     def __init__(self, batches: list[list[StepMessage]]) -> None:
         self.batches = batches
-        self.next_outputs = self
 
-    async def remote(self, consumer_id: str, timeout_s: float) -> list[StepMessage]:
+    async def next_outputs(self, consumer_id: str, timeout_s: float) -> list[StepMessage]:
         if not self.batches:
             raise ActorDiedError()
         return self.batches.pop(0)

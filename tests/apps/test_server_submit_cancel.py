@@ -1,7 +1,7 @@
 """A handler cancelled mid-submit (its client left) still aborts what the scheduler took, plain and P/D alike.
 
-``LLMServer``'s own ``_generate``, ``_submit`` and abort path run here against fake Ray calls, so the
-cancel lands exactly where a live storm only lands by chance: after the scheduler took the request and
+``LLMServer``'s own ``_generate``, ``_submit`` and abort path run here against a fake ``SchedulerHandle``, so
+the cancel lands exactly where a live storm only lands by chance: after the scheduler took the request and
 before its reply reached the handler. A fake call, like a Ray ``ObjectRef``, is taken by its callee when
 made and answered when the test opens its gate; awaiting it again waits for the same answer.
 """
@@ -40,6 +40,8 @@ class Ref:
 
 
 class Method:
+    """A Serve handle's method: ``remote(...)`` makes the call."""
+
     def __init__(self, run: Any) -> None:
         self.run = run
 
@@ -57,10 +59,19 @@ class Scheduler:
         self.taken: list[str] = []
         self.aborted: list[str] = []
         self.took = asyncio.Event()
-        self.submit = Method(lambda rid, ids, *_, **__: self._take(rid, len(ids)))
-        self.submit_prefilled = Method(lambda result, ids, *_, **__: self._take(result.request_id, len(ids)))
-        self.cached_prefix_tokens = Method(lambda ids: Ref(self.now, 0))
-        self.abort = Method(lambda rid: (self.aborted.append(rid), Ref(self.now, True))[1])
+
+    def submit(self, rid: str, ids: list[int], *_: Any, **__: Any) -> Any:
+        return self._take(rid, len(ids))
+
+    def submit_prefilled(self, result: PrefillResult, ids: list[int], *_: Any, **__: Any) -> Any:
+        return self._take(result.request_id, len(ids))
+
+    def cached_prefix_tokens(self, ids: list[int]) -> Ref:
+        return Ref(self.now, 0)
+
+    def abort(self, rid: str) -> Ref:
+        self.aborted.append(rid)
+        return Ref(self.now, True)
 
     def _take(self, request_id: str, num: int) -> Any:
         self.taken.append(request_id)
@@ -89,7 +100,7 @@ class Fanout:
 def replica(scheduler: Scheduler, pd: bool) -> Any:
     """An ``LLMServer`` with fake parts in place of its scheduler actor, output fan-out and prefill pool."""
     server: Any = object.__new__(LLMServer.func_or_class)
-    server._actor, server._fanout, server._tasks = scheduler, Fanout(), set()
+    server._scheduler, server._fanout, server._tasks = scheduler, Fanout(), set()
     server._remote = RemotePrefill(PrefillPool(), scheduler, min_tokens=1) if pd else None
 
     async def inputs(request: Any, kind: RequestKind) -> tuple[Any, str, list[list[int]], list[SamplingParams]]:

@@ -119,7 +119,7 @@ class FakeReplica(ReplicaStats):
         async def stats() -> EngineStats:
             return STATS
 
-        self._actor = SimpleNamespace(stats=SimpleNamespace(remote=stats))
+        self._scheduler = SimpleNamespace(stats=stats)
         # As LLMServer.__init__ does: the fan-out's observer feeds the window, then the metrics.
         self._fanout = SimpleNamespace(num_open=4,
                                        _observer=self.latency_observer(lambda deltas: seen.append(len(deltas))))

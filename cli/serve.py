@@ -150,7 +150,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_queued_requests is not None:
         out["max_queued_requests"] = args.max_queued_requests
     if args.pd is not None:
-        out["pd"] = parse_json_object(args.pd, "pd", ("prefill", "decode", "remote_prefill_min_tokens"), "key")
+        out["pd"] = parse_json_object(args.pd, "pd", ("prefill", "decode", "remote_prefill_min_tokens",
+                                                      "remote_prefill_timeout_s"), "key")
     scheduler: dict[str, Any] = {}
     if args.num_gpus:
         scheduler["num_gpus"] = args.num_gpus

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from actors.engine.config import EngineConfig
 from actors.engine.executor import Executor
@@ -58,7 +59,7 @@ class LLM:
         self.engine.shutdown()
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(

@@ -32,7 +32,7 @@ from typing import Any
 
 from actors.engine.prompt_ids import chat_ids
 from actors.load.loader import load_tokenizer, resolve_model_path
-from cli.bench.serve_datasets import DatasetConfig, build_requests
+from cli.bench.serve.datasets import DatasetConfig, build_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 

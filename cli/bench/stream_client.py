@@ -1,6 +1,6 @@
 """The benchmarks' one streaming client: send a request, time its SSE chunks, count tokens from usage.
 
-``flotilla bench serve`` and ``flotilla bench autoscale`` both measure what a
+``flotilla bench serve``, ``bench autoscale`` and ``bench pd`` measure what a
 client sees through ``stream_request``. Events are parsed by the SDK's SSE
 decoder (``flotilla.sse``). Token counts come only from the server's
 ``usage`` (``stream_options.include_usage``), never from counting chunks: a
@@ -120,3 +120,11 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[st
         return result
     result.ok = True
     return result
+
+
+async def resolve_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model ``/v1/models`` lists."""
+    async with session.get(base_url + "/v1/models") as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    return str(data["data"][0]["id"])

@@ -1,4 +1,6 @@
-"""The JSONL workload of the offline benchmarks: ``../shared/peers/make_workload.py``'s format, or chats.
+"""What the benchmarks send: the offline benchmarks' JSONL workload, a request of the HTTP ones, the shipped texts.
+
+The JSONL workload: ``../shared/peers/make_workload.py``'s format, or chats.
 
 One request a line, either token ids or a conversation:
 
@@ -10,11 +12,19 @@ model whose replies matter (``flotilla bench spec``: what a draft can copy
 depends on the text). Chat lines need the model's tokenizer, so they are
 read with ``chat=True`` and turned into ids by ``workload_prompt_ids``;
 readers that take only ids keep the default and get a clear error instead.
+
+``BenchRequest`` is one request of an HTTP benchmark (``bench serve``,
+``bench pd``) and the body it is sent with. The benchmarks' data files
+(``data/``: texts, schemas; ``data/README.md`` says where each comes from)
+are read from ``DATA_DIR``; ``chat_texts`` is the real English that
+``bench serve``'s ``chat`` dataset and ``bench spec-workloads`` send.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +32,7 @@ from actors.engine.prompt_ids import chat_ids
 from scheduling.errors import InvalidParameterError
 
 CHAT_ROLES = ("system", "user", "assistant")
+DATA_DIR = Path(__file__).parent / "data"
 
 
 def is_chat(req: dict[str, Any]) -> bool:
@@ -93,3 +104,45 @@ def read_workload(path: str | Path, *, chat: bool = False) -> list[dict[str, Any
 def workload_prompt_ids(reqs: list[dict[str, Any]], tokenizer: Any) -> list[list[int]]:
     """Each request's prompt token ids: as given, or the conversation through the chat template."""
     return [chat_ids(tokenizer, r["messages"]) if is_chat(r) else list(r["prompt_token_ids"]) for r in reqs]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request to send: a completion ``prompt`` or chat ``messages``, and its ``max_tokens``."""
+
+    max_tokens: int
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    num_prompt_tokens: int = 0  # as generated (ids, or text length); the server's usage is authoritative
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
+
+    def body(self, model: str, *, temperature: float, ignore_eos: bool) -> dict[str, Any]:
+        """The JSON body of the request, streamed with usage (the benchmarks count tokens from it)."""
+        body: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": temperature,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extension, also flotilla's: every request does its full work
+        if self.messages is not None:
+            body["messages"] = self.messages
+        else:
+            body["prompt"] = self.prompt
+        return body
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTexts:
+    """Real English for chat prompts (``data/chat_texts.json``): instructions, and passages to ask about."""
+
+    instructions: tuple[str, ...]
+    questions_about_text: tuple[str, ...]
+    passages: tuple[str, ...]
+
+
+@functools.cache
+def chat_texts() -> ChatTexts:
+    """The shipped chat texts, read once per process."""
+    data = json.loads((DATA_DIR / "chat_texts.json").read_text(encoding="utf-8"))
+    return ChatTexts(tuple(data["instructions"]), tuple(data["questions_about_text"]), tuple(data["passages"]))

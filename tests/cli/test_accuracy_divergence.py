@@ -1,10 +1,10 @@
-"""``cli.bench.accuracy_divergence``: where two greedy outputs part and the base's top-2 gap there."""
+"""``cli.bench.accuracy.divergence``: where two greedy outputs part and the base's top-2 gap there."""
 
 from __future__ import annotations
 
 import torch
 
-from cli.bench.accuracy_divergence import divergences, first_difference, margin_quantiles, top2_gaps
+from cli.bench.accuracy.divergence import divergences, first_difference, margin_quantiles, top2_gaps
 
 
 def test_first_difference_counts_an_ending_as_a_difference() -> None:

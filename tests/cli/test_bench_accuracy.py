@@ -12,9 +12,9 @@ import torch
 
 from actors.engine.executor import LocalExecutor
 from apps.llm import LLM
-from cli.bench.accuracy import engine_options, run
-from cli.bench.accuracy_cli import format_table
-from cli.bench.accuracy_forced import kl_per_position, teacher_forced_logits
+from cli.bench.accuracy import format_table
+from cli.bench.accuracy.forced import kl_per_position, teacher_forced_logits
+from cli.bench.accuracy.run import engine_options, run
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""``bench accuracy``'s token-level figures: token_top1_agreement and perplexity_ratio (``accuracy_forced``)."""
+"""``bench accuracy``'s token-level figures: token_top1_agreement and perplexity_ratio (``cli.bench.accuracy.forced``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from actors.load.loader import load_tokenizer
-from cli.bench.accuracy import run
-from cli.bench.accuracy_forced import (
+from cli.bench.accuracy.forced import (
     HELDOUT_PATH,
     HeldoutScore,
     heldout_windows,
@@ -21,6 +20,7 @@ from cli.bench.accuracy_forced import (
     token_nll,
     top1_matches,
 )
+from cli.bench.accuracy.run import run
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 
@@ -101,7 +101,7 @@ def test_the_heldout_text_is_read_or_refused_naming_it(tmp_path: Path) -> None:
 def test_an_int8_kv_candidate_moves_the_teacher_forced_figures(tiny_model_dir: Path,
                                                              files: tuple[Path, Path]) -> None:
     # A teacher-forced prefill that attended over its in-step float K/V instead of the
-    # quantized pages would leave every figure equal to the base's (accuracy_forced's docstring).
+    # quantized pages would leave every figure equal to the base's (cli.bench.accuracy.forced's docstring).
     workload, heldout = files
     out = run(str(tiny_model_dir), workload, against={"kv_cache_dtype": "int8"}, kv_budget_mib=8,
               batch1_tokens=0, max_model_len=64, max_num_seqs=2, heldout=heldout)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cli.bench.autoscale import (
+from cli.bench.autoscale.plot import plot_timeline
+from cli.bench.autoscale.profile import (
     Phase,
     RequestRecord,
     RunResult,
@@ -16,8 +17,7 @@ from cli.bench.autoscale import (
     samples_json,
     summarize,
 )
-from cli.bench.autoscale_plot import plot_timeline
-from cli.bench.autoscale_routing import HEADER_CHARS, build_workload
+from cli.bench.autoscale.routing import HEADER_CHARS, build_workload
 from cli.main import build_parser
 
 

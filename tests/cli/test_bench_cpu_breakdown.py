@@ -1,11 +1,11 @@
-"""``cli.bench.cpu_breakdown``: roles from command lines, CPU from /proc clocks, costs per unit of work."""
+"""``cli.bench.serve.cpu_breakdown``: roles from command lines, CPU from /proc clocks, costs per unit of work."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from cli.bench.cpu_breakdown import TICKS_PER_S, breakdown, role_of, snapshot
+from cli.bench.serve.cpu_breakdown import TICKS_PER_S, breakdown, role_of, snapshot
 
 
 def _proc(root: Path, pid: int, cmdline: str, threads: dict[int, tuple[str, int]]) -> None:

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from cli.bench.pd_bandwidth import Bandwidth
-from cli.bench.pd_metrics import PDFigures, histogram_quantile, parse_pd_figures
-from cli.bench.pd_report import mode_report, parse_pd_slo, ratio, transfer_report
-from cli.bench.pd_workload import PDWorkload, WorkloadResult
+from cli.bench.metrics import histogram_quantile
+from cli.bench.pd.bandwidth import Bandwidth
+from cli.bench.pd.figures import PDFigures, parse_pd_figures
+from cli.bench.pd.report import mode_report, parse_pd_slo, transfer_report
+from cli.bench.pd.workload import PDWorkload, WorkloadResult
+from cli.bench.stats import ratio
 from cli.bench.stream_client import RequestResult
 from cli.main import build_parser, main
 from cluster.metric_families import TRANSFER_BUCKETS

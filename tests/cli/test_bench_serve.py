@@ -14,13 +14,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cli.bench.serve import ServeBenchConfig, request_body, send_request
-from cli.bench.serve_arrivals import ArrivalConfig, arrival_offsets, parse_rates
-from cli.bench.serve_cli import bench_config, resolve_settings
-from cli.bench.serve_datasets import BenchRequest, DatasetConfig, build_requests
-from cli.bench.serve_report import compare, parse_slo, summarize
-from cli.bench.serve_server import parse_flotilla_metrics
-from cli.bench.stream_client import RequestResult
+from cli.bench.serve.arrivals import ArrivalConfig, arrival_offsets, parse_rates
+from cli.bench.serve.compare import compare
+from cli.bench.serve.config import ServeBenchConfig, bench_config, resolve_settings
+from cli.bench.serve.datasets import DatasetConfig, build_requests
+from cli.bench.serve.server import parse_flotilla_metrics
+from cli.bench.stats import parse_slo, summarize
+from cli.bench.stream_client import RequestResult, stream_request
+from cli.bench.workload import BenchRequest
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 
@@ -232,8 +233,9 @@ def test_sse_client_times_chunks_and_reads_usage_or_errors() -> None:
             async with aiohttp.ClientSession() as session:
                 out = {}
                 for mode in ("usage", "nousage", "error", "500"):
-                    body = request_body(BenchRequest(4, prompt=mode), "m", ServeBenchConfig())
-                    out[mode] = await send_request(session, url, body, "/v1/completions")
+                    cfg = ServeBenchConfig()
+                    body = BenchRequest(4, prompt=mode).body("m", temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
+                    out[mode] = await stream_request(session, url + "/v1/completions", body)
                 return out
         finally:
             await runner.cleanup()
@@ -248,7 +250,9 @@ def test_sse_client_times_chunks_and_reads_usage_or_errors() -> None:
     assert not no_usage.ok and no_usage.error is not None and "usage" in no_usage.error
     assert not r["error"].ok and r["error"].error == "engine failed"
     assert not r["500"].ok and r["500"].error is not None and r["500"].error.startswith("HTTP 500")
-    body = request_body(BenchRequest(4, messages=[{"role": "user", "content": "hi"}]), "m", ServeBenchConfig())
+    cfg = ServeBenchConfig()
+    body = BenchRequest(4, messages=[{"role": "user", "content": "hi"}]).body(
+        "m", temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
     assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] and "prompt" not in body
 
 

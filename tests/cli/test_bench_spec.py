@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from cli.bench.chat_texts import INSTRUCTIONS, PASSAGES
-from cli.bench.spec import SpecCounters, format_table, run
-from cli.bench.spec_workloads import edit_requests, questions_requests, write_workloads
-from cli.bench.workload import read_workload, workload_prompt_ids
+from cli.bench.spec.run import SpecCounters, format_table, run
+from cli.bench.spec.workloads import edit_requests, questions_requests, write_workloads
+from cli.bench.workload import chat_texts, read_workload, workload_prompt_ids
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 from scheduling.scheduler_stats import SchedulerStats
@@ -96,14 +95,15 @@ def test_edit_prompts_hold_the_text_the_reply_copies() -> None:
         kinds.add(instruction.split()[0])
         assert 1 <= len(paragraphs) <= 2
         for p in paragraphs:  # each a passage, at most a few typos away
-            assert min(_differing_words(p, passage) for passage in PASSAGES) <= 4
+            assert min(_differing_words(p, passage) for passage in chat_texts().passages) <= 4
     assert kinds == {"Repeat", "Fix", "Add"}
 
 
 def test_questions_do_not_repeat_before_every_one_is_asked() -> None:
-    reqs = questions_requests(len(INSTRUCTIONS) + 2, seed=0)
+    instructions = chat_texts().instructions
+    reqs = questions_requests(len(instructions) + 2, seed=0)
     contents = [r["messages"][0]["content"] for r in reqs]
-    assert sorted(contents[: len(INSTRUCTIONS)]) == sorted(INSTRUCTIONS)
+    assert sorted(contents[: len(instructions)]) == sorted(instructions)
     assert all(r["max_tokens"] == 128 for r in reqs)
 
 

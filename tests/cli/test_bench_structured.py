@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from actors.grammar.compiler import json_schema_grammar
-from cli.bench.structured_overhead import format_table as overhead_table
-from cli.bench.structured_probes import ValiditySettings, check_loopback, plan
-from cli.bench.structured_schemas import SchemaCase, default_schema_set, read_schema_set
-from cli.bench.structured_validity import judge, validators
-from cli.bench.structured_validity_report import format_table as validity_table
+from cli.bench.structured.overhead import format_table as overhead_table
+from cli.bench.structured.probes import ValiditySettings, check_loopback, plan
+from cli.bench.structured.report import format_table as validity_table
+from cli.bench.structured.schemas import SchemaCase, default_schema_set, read_schema_set
+from cli.bench.structured.validity import judge, validators
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 from tests.serve_harness import LiveServer, live_server

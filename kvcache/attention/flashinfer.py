@@ -1,0 +1,291 @@
+"""FlashInfer paged attention over the ``KVPool`` pages (the CUDA backend).
+
+Two FlashInfer wrappers share one zeroed workspace (``WORKSPACE_BYTES``): a
+``BatchPrefillWithPagedKVCacheWrapper`` for steps where any query is longer
+than one token (prefill, chunked prefill, prefix hits, mixed steps; causal,
+which FlashInfer aligns bottom-right: query ``t`` of ``q`` new tokens over
+``c`` keys sees keys ``<= c - q + t``, exactly the pool's positions) and a
+``BatchDecodeWithPagedKVCacheWrapper`` for decode-only steps, on tensor cores
+when ``TENSOR_CORE_GROUP_SIZE`` or more query heads share a kv head.
+
+``KVPool`` pages are FlashInfer's NHD layout as they are, ``(num_pages,
+page_size, num_kv_heads, head_dim)`` per layer, handed over as the ``(k, v)``
+tuple: nothing is copied or converted. ``plan`` runs once per step: the
+int32 ``indptr`` / ``indices`` / ``last_page_len`` arrays and the slot
+mapping are built on the host (``metadata``), pinned on CUDA, and copied
+with ``non_blocking``; FlashInfer's ``plan`` reads its host copies, so no
+step input waits for the device. ``forward`` writes the step's k/v at their
+slots (as ``TorchPagedAttention`` does) and runs the planned wrapper.
+
+Every optional ``plan`` argument is passed by keyword: FlashInfer 0.6.0
+inserted ``o_data_type`` among the positional ones.
+
+Quantized pages: FlashInfer reads fp8 KV (``kv_data_type``) with one scale
+per tensor (``k_scale``/``v_scale`` floats), not the pool's scale per token
+and head. So this backend writes fp8 pages with the fixed ``FP8_KV_SCALE``
+(vLLM's default without calibration: values stored as they are, clamped to
+e4m3's range) and records that scale for each token it writes, which keeps
+the pool self-describing for every other reader (the torch backend, KV
+transfer). Invariant: every page FlashInfer reads was written with
+``FP8_KV_SCALE``; pages imported from a pool written by the torch backend
+(its scales vary per token) would be misread. int8 pages are refused:
+FlashInfer has no int8 KV path.
+
+The ``flashinfer`` module is passed in (``FlashInferKernels``): the product
+passes ``load_flashinfer()``, tests pass their CPU emulator.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Protocol
+
+import torch
+
+from kvcache.attention.backend import AttentionBackend, StepLayout
+from kvcache.attention.metadata import build_flashinfer_indices, build_slot_mapping, check_layout
+from kvcache.errors import CacheConfigError
+from kvcache.kv_pool import KVPool
+from kvcache.kv_quant import QMAX
+
+# FlashInfer's recommended workspace: split-k partial results of either wrapper.
+WORKSPACE_BYTES = 128 * 2**20
+# Decode on tensor cores pays off once this many query heads share a kv head.
+TENSOR_CORE_GROUP_SIZE = 4
+# The one scale of every fp8 value this backend writes (see the module docstring).
+FP8_KV_SCALE = 1.0
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # what FlashInfer's kernels compute in
+
+
+class PrefillWrapper(Protocol):
+    """What the backend uses of ``flashinfer.BatchPrefillWithPagedKVCacheWrapper``."""
+
+    def plan(
+        self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
+        page_size: int, /, *, causal: bool, pos_encoding_mode: str, sm_scale: float,
+        q_data_type: torch.dtype, kv_data_type: torch.dtype, o_data_type: torch.dtype, non_blocking: bool,
+    ) -> None: ...  # fmt: skip
+
+    def run(
+        self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], /, *,
+        k_scale: float | None = None, v_scale: float | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+class DecodeWrapper(Protocol):
+    """What the backend uses of ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``."""
+
+    def plan(
+        self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+        num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, /, *,
+        pos_encoding_mode: str, sm_scale: float, q_data_type: torch.dtype, kv_data_type: torch.dtype,
+        o_data_type: torch.dtype, non_blocking: bool,
+    ) -> None: ...  # fmt: skip
+
+    def run(
+        self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], /, *,
+        k_scale: float | None = None, v_scale: float | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+class PrefillWrapperClass(Protocol):
+    def __call__(self, float_workspace_buffer: torch.Tensor, /, *, kv_layout: str) -> PrefillWrapper: ...
+
+
+class DecodeWrapperClass(Protocol):
+    def __call__(
+        self, float_workspace_buffer: torch.Tensor, /, *, kv_layout: str, use_tensor_cores: bool
+    ) -> DecodeWrapper: ...
+
+
+class FlashInferKernels(Protocol):
+    """The two wrapper classes of the ``flashinfer`` module (or of a module emulating it)."""
+
+    @property
+    def BatchPrefillWithPagedKVCacheWrapper(self) -> PrefillWrapperClass: ...
+
+    @property
+    def BatchDecodeWithPagedKVCacheWrapper(self) -> DecodeWrapperClass: ...
+
+
+def flashinfer_installed() -> bool:
+    """Whether the ``flashinfer`` package can be imported (found without importing it)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def load_flashinfer() -> FlashInferKernels:
+    """The installed ``flashinfer`` module.
+
+    Raises:
+        CacheConfigError: naming ``attention_backend`` and the ``cuda`` extra,
+            when flashinfer is not installed.
+    """
+    try:
+        # Imported here, not at the top: flashinfer is the optional `cuda`
+        # extra, absent from CPU installs, which must import this module.
+        import flashinfer
+    except ImportError as e:
+        raise CacheConfigError("attention_backend", _NOT_INSTALLED) from e
+    return flashinfer
+
+
+_NOT_INSTALLED = (
+    "flashinfer is not installed: install flotilla's `cuda` extra (pip install 'flotilla[cuda]'), "
+    "or use attention_backend='torch' or 'auto'"
+)
+
+
+def check_flashinfer_settings(
+    *, device: torch.device, dtype: torch.dtype, kv_dtype: str, kernels_given: bool
+) -> None:
+    """Refuse, by the setting's name, what attention_backend='flashinfer' cannot run.
+
+    ``kernels_given``: the caller passes its own kernels (the tests' CPU
+    emulator), which run on any device and dtype; only the KV format is then
+    checked.
+
+    Raises:
+        CacheConfigError: ``kv_cache_dtype`` int8; ``attention_backend`` off
+            CUDA or without the flashinfer package; ``dtype`` other than
+            float16 / bfloat16.
+    """
+    if kv_dtype == "int8":
+        raise CacheConfigError(
+            "kv_cache_dtype",
+            "int8 pages cannot be read by FlashInfer (it has no int8 KV path): use kv_cache_dtype "
+            "'fp8_e4m3' or 'auto' with attention_backend='flashinfer', or attention_backend='torch'",
+        )
+    if kernels_given:
+        return
+    if device.type != "cuda":
+        raise CacheConfigError(
+            "attention_backend",
+            f"flashinfer runs on CUDA only, and the device is {device.type}: "
+            f"use attention_backend='torch' or 'auto'",
+        )
+    if dtype not in FLASHINFER_DTYPES:
+        raise CacheConfigError(
+            "dtype", f"FlashInfer computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+        )
+    if not flashinfer_installed():
+        raise CacheConfigError("attention_backend", _NOT_INSTALLED)
+
+
+class FlashInferPagedAttention(AttentionBackend):
+    """Causal paged attention over a ``KVPool`` with FlashInfer's wrappers; one per engine.
+
+    ``kernels`` is the ``flashinfer`` module or an emulation of it. ``scale``
+    defaults to ``1 / sqrt(head_dim)``; ``workspace_bytes`` to FlashInfer's
+    recommended ``WORKSPACE_BYTES``.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        kernels: FlashInferKernels,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        workspace_bytes: int = WORKSPACE_BYTES,
+    ) -> None:
+        if num_kv_heads != pool.num_kv_heads or head_dim != pool.head_dim:
+            raise ValueError(
+                f"backend num_kv_heads={num_kv_heads}, head_dim={head_dim} do not match the "
+                f"pool's {pool.num_kv_heads}, {pool.head_dim}"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        check_flashinfer_settings(device=pool.device, dtype=pool.dtype, kv_dtype=pool.kv_dtype, kernels_given=True)
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group_size = num_heads // num_kv_heads
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        # FlashInfer asks for a zeroed workspace before its first use.
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=pool.device)
+        self.prefill = kernels.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
+        self.decode = kernels.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD", use_tensor_cores=self.group_size >= TENSOR_CORE_GROUP_SIZE
+        )
+        self._caches = list(zip(pool.k_caches, pool.v_caches, strict=True))
+        # Flat (num_pages * page_size, kv_heads, head_dim) views for the
+        # slot-indexed write; they share storage with the pool's tensors.
+        self._flat_k = [c.view(-1, num_kv_heads, head_dim) for c in pool.k_caches]
+        self._flat_v = [c.view(-1, num_kv_heads, head_dim) for c in pool.v_caches]
+        self._flat_ks = [c.view(-1, num_kv_heads) for c in pool.k_scales or []]
+        self._flat_vs = [c.view(-1, num_kv_heads) for c in pool.v_scales or []]
+        self._kv_scale = FP8_KV_SCALE if pool.is_quantized else None
+        self._pinned = pool.device.type == "cuda"
+        self._num_tokens = 0
+        self._slots: torch.Tensor | None = None
+        self._wrapper: PrefillWrapper | DecodeWrapper | None = None
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (built on the host) in pinned memory on CUDA, so copies of it need not wait."""
+        return t.pin_memory() if self._pinned else t
+
+    def plan(self, layout: StepLayout) -> None:
+        """Plan the step's wrapper from host index arrays; copy the slot mapping to the device."""
+        page_size = self.pool.page_size
+        check_layout(layout, page_size)
+        self._num_tokens = sum(layout.query_lens)
+        self._wrapper = None
+        if self._num_tokens == 0:  # nothing to attend: FlashInfer is not asked to plan a batch of 0
+            self._slots = None
+            return
+        idx = {name: self._host(t) for name, t in build_flashinfer_indices(layout, page_size).items()}
+        self._slots = self._host(build_slot_mapping(layout, page_size)).to(self.pool.device, non_blocking=True)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        dtype, kv_dtype = self.pool.dtype, self.pool.cache_dtype
+        if max(layout.query_lens) == 1:
+            self.decode.plan(
+                idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
+                h, kvh, d, page_size, pos_encoding_mode="NONE", sm_scale=self.scale,
+                q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype, non_blocking=True,
+            )  # fmt: skip
+            self._wrapper = self.decode
+            return
+        self.prefill.plan(
+            idx["qo_indptr"], idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
+            h, kvh, d, page_size, causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
+            q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype, non_blocking=True,
+        )  # fmt: skip
+        self._wrapper = self.prefill
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k/v into ``layer_id``'s pages, return causal attention (tokens, heads, dim).
+
+        ``q``, ``k`` and ``v`` must be in the pool's model dtype.
+        """
+        assert q.shape[0] == self._num_tokens == k.shape[0] == v.shape[0], (
+            q.shape,
+            k.shape,
+            self._num_tokens,
+        )
+        if self._num_tokens == 0:
+            return q.new_empty(0, self.num_heads, self.head_dim)
+        assert self._wrapper is not None and self._slots is not None, "plan() must run before forward()"
+        self._write(layer_id, k, v, self._slots)
+        if q.stride(-1) != 1:  # the kernels take strided tokens and heads, not a strided head_dim
+            q = q.contiguous()
+        return self._wrapper.run(q, self._caches[layer_id], k_scale=self._kv_scale, v_scale=self._kv_scale)
+
+    def _write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the step's k and v at their slots (as fp8 with ``FP8_KV_SCALE`` in an fp8 pool)."""
+        if not self.pool.is_quantized:
+            self._flat_k[layer_id].index_copy_(0, slots, k)
+            self._flat_v[layer_id].index_copy_(0, slots, v)
+            return
+        qmax = QMAX["fp8_e4m3"]
+        for x, values, scales in ((k, self._flat_k, self._flat_ks), (v, self._flat_v, self._flat_vs)):
+            stored = (x.float() * (1.0 / FP8_KV_SCALE)).clamp_(-qmax, qmax).to(torch.float8_e4m3fn)
+            # As bytes: torch has no index_copy_ for float8 on the CPU.
+            values[layer_id].view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
+            scales[layer_id].index_fill_(0, slots, FP8_KV_SCALE)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from actors.load.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from kvcache.attention.flashinfer import FlashInferKernels, check_flashinfer_settings
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype
 from scheduling.errors import InvalidParameterError
@@ -27,9 +28,12 @@ _DTYPES = {
 # Ray placement-group strategies for the tensor-parallel shards of one engine.
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 
-# Attention backends that exist. "flashinfer" is planned (the CUDA step) but
-# absent: asking for it is refused rather than quietly run on torch.
-ATTENTION_BACKENDS = ("auto", "torch")
+# Attention backends that exist. "auto" is "torch" everywhere for now;
+# "flashinfer" runs only where it can (see _check_attention_backend), and is
+# refused by name elsewhere rather than quietly run on torch.
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+# What attention_kernels must offer (the flashinfer module's two wrapper classes).
+_KERNEL_CLASSES = ("BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper")
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,14 @@ class EngineConfig:
     replicas share a node). With the Ray executor each shard uses
     ``cpu_threads`` too, else the CPUs reserved for it (one).
     ``attention_backend``: ``torch`` (the paged-attention reference, on CPU
-    and CUDA) is the only backend today, so ``auto`` resolves to it;
-    ``flashinfer`` is refused until that backend exists. ``kv_cache_dtype``:
+    and CUDA; what ``auto`` resolves to) or ``flashinfer`` (FlashInfer's
+    kernels: CUDA with the ``cuda`` extra installed, float16/bfloat16, KV in
+    the model dtype (its fp8 path waits, like all quantized KV on CUDA, for a
+    device check); refused by name otherwise).
+    ``attention_kernels``, for tests only: a module standing in for
+    ``flashinfer`` (the CPU emulator in tests/kvcache), with
+    ``attention_backend="flashinfer"`` and the local executor; None in the
+    product, which imports flashinfer itself. ``kv_cache_dtype``:
     ``auto`` (the model dtype), ``int8`` or ``fp8_e4m3`` (alias ``fp8``), one
     byte per element plus a bfloat16 scale per token and kv head
     (``kvcache.kv_dtypes``). ``quantization``: weight-only ``int8``, ``int4``
@@ -83,6 +93,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int | None = None
     grammar_compile_timeout_s: float = 10.0
+    attention_kernels: FlashInferKernels | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -97,15 +108,9 @@ class EngineConfig:
             raise InvalidParameterError("num_kv_pages", f"must be >= 1, got {self.num_kv_pages}")
         if self.tensor_parallel_size < 1:
             raise InvalidParameterError("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
-        if self.attention_backend == "flashinfer":
-            raise InvalidParameterError(
-                "attention_backend",
-                "flashinfer is not available yet (no FlashInfer backend is built in); "
-                "use 'torch' or 'auto', which both run the torch paged attention",
-            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidParameterError(
-                "attention_backend", f"must be auto or torch, got {self.attention_backend!r}"
+                "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         if self.executor not in ("local", "ray"):
             raise InvalidParameterError("executor", f"must be 'local' or 'ray', got {self.executor!r}")
@@ -131,6 +136,7 @@ class EngineConfig:
         except CacheConfigError as e:
             raise InvalidParameterError(e.param, e.message) from None
         self._check_quantization()
+        self._check_attention_backend()
         if isinstance(self.grammar_compile_timeout_s, bool) or not (
             isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0
         ):
@@ -163,6 +169,31 @@ class EngineConfig:
             value = q if param == "quantization" else self.kv_cache_dtype
             raise InvalidParameterError(param, f"{value!r} is supported on the CPU only, not on CUDA")
 
+    def _check_attention_backend(self) -> None:
+        kernels = self.attention_kernels
+        if kernels is not None:
+            if self.attention_backend != "flashinfer":
+                raise InvalidParameterError(
+                    "attention_kernels", f"applies to attention_backend='flashinfer' only, not {self.attention_backend!r}"
+                )
+            if not all(hasattr(kernels, name) for name in _KERNEL_CLASSES):
+                raise InvalidParameterError(
+                    "attention_kernels", f"must be a module offering {' and '.join(_KERNEL_CLASSES)}, got {kernels!r}"
+                )
+            if self.executor != "local":
+                raise InvalidParameterError(
+                    "attention_kernels", "works with executor='local' only: a module does not travel to Ray actors"
+                )
+        if self.attention_backend != "flashinfer":
+            return
+        try:
+            check_flashinfer_settings(
+                device=self.resolved_device(), dtype=self.torch_dtype(), kv_dtype=self.kv_cache_dtype,
+                kernels_given=kernels is not None,
+            )
+        except CacheConfigError as e:
+            raise InvalidParameterError(e.param, e.message) from None
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments; an unknown one is an error that names it."""
@@ -184,8 +215,8 @@ class EngineConfig:
         )
 
     def resolved_attention_backend(self) -> str:
-        """The backend that runs: ``torch`` (``auto`` has no other choice yet)."""
-        return "torch"
+        """The backend that runs: ``flashinfer`` when asked for, else ``torch`` (``auto`` too)."""
+        return "flashinfer" if self.attention_backend == "flashinfer" else "torch"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -22,6 +22,7 @@ from actors.model.models.layers import ParallelLinear
 from actors.model.sampler import Sampler
 from actors.model.spec_verify import count_accepted, expand_sampling, sample_rows
 from kvcache.attention.backend import AttentionBackend, StepLayout
+from kvcache.attention.flashinfer import FlashInferPagedAttention, load_flashinfer
 from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import (
     KVCapacity,
@@ -40,12 +41,18 @@ logger = get_logger(__name__.rsplit(".", 1)[-1])
 def make_attention_backend(
     config: EngineConfig, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> AttentionBackend:
-    """The backend ``config.resolved_attention_backend()`` names: torch paged attention.
+    """The backend ``config.resolved_attention_backend()`` names.
 
-    It is the only backend (CPU and CUDA alike); ``EngineConfig`` refuses
-    ``flashinfer`` until a FlashInfer backend exists.
+    ``flashinfer`` runs ``config.attention_kernels`` when a test gives them
+    (the CPU emulator), else the installed flashinfer package, which
+    ``EngineConfig`` has checked is there, on CUDA. There is no fallback.
     """
     name = config.resolved_attention_backend()
+    if name == "flashinfer":
+        kernels = config.attention_kernels if config.attention_kernels is not None else load_flashinfer()
+        return FlashInferPagedAttention(
+            pool, kernels, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
     assert name == "torch", f"no attention backend {name!r}"
     return TorchPagedAttention(pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
 

@@ -98,7 +98,7 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
        "matchers, on the step's critical path."),
     _h("grammar_compile_seconds", "Time to compile one distinct output constraint (cached afterwards).",
        COMPILE_BUCKETS),
-    # Prefill/decode disaggregation, on decode replicas (apps.remote_prefill): prompts prefilled on the
+    # Prefill/decode disaggregation, on decode replicas (apps.disaggregation): prompts prefilled on the
     # prefill pool, retries of failed prefills, KV bytes received and the time moving them took.
     _c("pd_remote_prefills", "Prompts this decode replica had computed on the prefill pool."),
     _c("pd_prefill_retries", "Remote prefills retried after a prefill replica failed."),

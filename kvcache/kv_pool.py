@@ -1,9 +1,8 @@
 """The KV tensor pool: one k and one v tensor per layer, cut into fixed-size pages.
 
 Layout is NHD per page, ``(num_pages, page_size, num_kv_heads, head_dim)``,
-which is also FlashInfer's paged KV layout, so a FlashInfer backend (planned,
-not built yet: the torch backend is the only one today) can use the same
-tensors. Page ``p`` of every layer belongs to the same
+which is also FlashInfer's paged KV layout, so both attention backends
+(kvcache/attention/: torch and FlashInfer) use the same tensors. Page ``p`` of every layer belongs to the same
 sequence: the page allocator hands out page ids, this module only owns bytes.
 
 With a quantized ``kv_dtype`` (``int8``, ``fp8_e4m3``; see ``kv_dtypes`` and

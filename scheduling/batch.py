@@ -7,9 +7,14 @@ lists of ints, so a ``Batch`` pickles cheaply for one Ray call per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scheduling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # names only: scheduling does not import torch at run time
+    import torch
+
+    from kvcache.kv_transfer import KVPayload, RankPayloads
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +25,11 @@ class TokenMasks:
     sequence, or ``1 + len(drafts)`` with drafts: ``actors.model.spec_verify``), in
     increasing order. ``bitmask`` is an int32 tensor ``(len(rows), ceil(vocab
     / 32))``: token t is allowed in row i when bit ``t % 32`` of word ``t //
-    32`` is set. Typed ``Any``: scheduling does not import torch.
+    32`` is set.
     """
 
     rows: list[int]
-    bitmask: Any
+    bitmask: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +80,9 @@ class Batch:
     # whose prompt KV leaves with this step, (its index in ``sample_indices``, the pages holding its
     # prompt); the runner copies them out after the forward. ``kv_imports``: per sequence whose prompt
     # KV arrived from elsewhere, (the pages to fill, one ``KVPayload`` per tensor-parallel rank); the
-    # runner writes them before the forward. Payloads are typed ``Any``: scheduling does not import torch.
+    # runner writes them before the forward.
     kv_exports: list[tuple[int, list[int]]] | None = None
-    kv_imports: list[tuple[list[int], tuple[Any, ...]]] | None = None
+    kv_imports: list[tuple[list[int], RankPayloads]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -123,4 +128,4 @@ class StepOutput:
     draft_token_ids: list[list[int]] | None = None
     # Aligned with ``Batch.kv_exports``: from a runner, this rank's ``KVPayload`` of each; from an
     # executor, a tuple of every rank's payload (rank order) of each.
-    kv_exports: list[Any] | None = None
+    kv_exports: list[KVPayload] | list[RankPayloads] | None = None

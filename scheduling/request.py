@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from scheduling.sampling_params import SamplingParams
 from scheduling.stop_rule import StopRule
 
 if TYPE_CHECKING:
+    from kvcache.kv_transfer import RankPayloads
     from kvcache.radix_cache import RadixNode
     from scheduling.spec_decode import DraftState
 
@@ -109,7 +110,7 @@ class Request:
         # samples its first token (``export_kv``); a request whose prompt KV was computed elsewhere
         # carries it (one payload per tensor-parallel rank) until the step that admits it writes it.
         self.export_kv = False
-        self.kv_import: tuple[Any, ...] | None = None
+        self.kv_import: RankPayloads | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -111,7 +111,8 @@ def collect_exports(engine: PDEngine, batch: Batch, output: StepOutput) -> None:
     for (j, _), payloads in zip(batch.kv_exports, output.kv_exports, strict=True):
         req = reqs[batch.sample_indices[j]]
         if live.get(req.request_id) is req:
-            engine.exported[req.request_id] = tuple(payloads)
+            assert isinstance(payloads, tuple), "an executor's output holds every rank's payloads of each export"
+            engine.exported[req.request_id] = payloads
 
 
 def add_prefilled(

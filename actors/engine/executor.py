@@ -9,11 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from actors.engine.config import EngineConfig
 from kvcache.kv_pool import KVCapacity
-from kvcache.kv_transfer import KVLayout
+from kvcache.kv_transfer import KVLayout, KVPayload
 from scheduling.batch import Batch, StepOutput
 
 
@@ -71,8 +70,10 @@ def with_rank_exports(out: StepOutput, rank_outputs: list[StepOutput | None]) ->
     ``rank_outputs[r]`` is rank r's output; each carries this rank's payload
     of every export of the step, aligned with ``Batch.kv_exports``.
     """
-    per_rank: list[list[Any]] = []
+    per_rank: list[list[KVPayload]] = []
     for rank, rank_out in enumerate(rank_outputs):
         assert rank_out is not None and rank_out.kv_exports is not None, f"rank {rank} returned no kv_exports"
-        per_rank.append(rank_out.kv_exports)
+        own = [p for p in rank_out.kv_exports if isinstance(p, KVPayload)]
+        assert len(own) == len(rank_out.kv_exports), f"rank {rank} returned exports that are not its own payloads"
+        per_rank.append(own)
     return replace(out, kv_exports=list(zip(*per_rank, strict=True)))

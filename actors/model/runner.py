@@ -9,7 +9,6 @@ weights and its slice of the KV pool. It knows nothing of requests. With
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from kvcache.kv_pool import (
     bytes_per_page,
     plan_num_pages,
 )
-from kvcache.kv_transfer import KVPayloadMismatchError
+from kvcache.kv_transfer import KVPayloadMismatchError, RankPayloads
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
@@ -212,7 +211,7 @@ class ModelRunner:
             out = replace(out, kv_exports=[self.pool.read_pages(pages) for _, pages in batch.kv_exports])
         return out
 
-    def _import_kv(self, imports: list[tuple[list[int], tuple[Any, ...]]]) -> None:
+    def _import_kv(self, imports: list[tuple[list[int], RankPayloads]]) -> None:
         """Write this rank's payload of each import into its pages."""
         for pages, payloads in imports:
             if len(payloads) != self.world_size:

@@ -247,8 +247,8 @@ def build_flashinfer_indices(
 ) -> dict[str, torch.Tensor]:
     """FlashInfer's ragged-query / paged-KV index arrays for one step, int32.
 
-    Groundwork for the planned FlashInfer backend (not built yet; nothing
-    at run time calls this), kept tested against the page tables.
+    ``FlashInferPagedAttention.plan`` (kvcache/attention/flashinfer.py)
+    passes these to the wrappers' ``plan()``.
 
     Keys: ``qo_indptr`` (batch+1,) cumulative query lengths;
     ``paged_kv_indptr`` (batch+1,) cumulative pages used per sequence;

@@ -122,11 +122,17 @@ def test_runner_refuses_payloads_of_another_layout(llama_dir: Path) -> None:
     assert info.value.param == "tensor_parallel_size"
 
 
+def _payload(value: float) -> KVPayload:
+    page = torch.full((1, 2, 1, 4), value)
+    return KVPayload((page,), (page,), None, None, "auto", "float32")
+
+
 def test_rank_exports_are_zipped_in_rank_order() -> None:
-    rank0 = StepOutput([5], [None], kv_exports=["a0", "b0"])
-    rank1 = StepOutput([], [], kv_exports=["a1", "b1"])
+    a0, b0, a1, b1 = (_payload(v) for v in range(4))
+    rank0 = StepOutput([5], [None], kv_exports=[a0, b0])
+    rank1 = StepOutput([], [], kv_exports=[a1, b1])
     merged = with_rank_exports(rank0, [rank0, rank1])
-    assert merged.kv_exports == [("a0", "a1"), ("b0", "b1")]
+    assert merged.kv_exports == [(a0, a1), (b0, b1)]
     assert merged.token_ids == [5]
     with pytest.raises(AssertionError, match="rank 1"):
         with_rank_exports(rank0, [rank0, None])

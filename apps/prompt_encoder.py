@@ -5,12 +5,12 @@ tokenization there stalls every stream for its whole length. Prompts of at
 least ``OFFLOAD_MIN_CHARS`` characters are encoded in a worker thread
 (``asyncio.to_thread``); shorter ones inline.
 
-Why 2,048 characters: measured on the tiny model's byte-level tokenizer
-(2-core box), encoding costs ~0.2 us a character plus ~40 us (chat template:
-~70 us), and a hop to a thread and back ~50 us. Below 2,048 characters an
-inline encode stalls the loop for under ~0.5 ms, less than one decode step,
-and a thread hop would be a tenth or more of the work; above it the stall
-grows without bound (64 K characters: ~20 ms) while the hop stays ~50 us.
+Why 2,048 characters: encoding costs a fixed part plus a part per
+character, and a hop to a thread and back a fixed cost
+(docs/design_costs.md has them). Below the threshold an inline encode
+stalls the loop for less than one decode step, and a thread hop would be a
+large share of the work; above it the stall grows with the prompt while the
+hop stays the same.
 Short requests, the latency-sensitive ones, never pay the hop. Decoding
 (``/detokenize``) takes the same path by its number of tokens: each token is
 at least one character of text, so a token count at the threshold is at least

@@ -171,7 +171,7 @@ class Sampler:
         if token_masks is not None:
             logits = apply_token_masks(logits, token_masks)
         if _all_plain_greedy(params):
-            # max().indices is ~2x faster than argmax() on CPU; same tie rule.
+            # max().indices is faster than argmax() on CPU (docs/design_costs.md); same tie rule.
             greedy_ids: list[int] = logits.max(dim=-1).indices.tolist()
             return StepOutput(token_ids=greedy_ids, logprobs=[None] * num_rows)
 

@@ -14,9 +14,7 @@ from about 300,000 rounds to 1,000, so the forward's workers sleep and are
 woken at every op. So the thread that runs the forward also loads the model
 (``SchedulerService``), or the loading runs on a thread that then ends
 (``call_on_new_thread``, for shards). ``scripts/bench_openmp_team.py``
-measures it: on this project's 2-core host, ``small`` at 2 threads, a
-decode step took 11.8 ms (median of 3 runs) with one team against 14.1 ms
-with the model loaded on another live thread.
+measures what a second team costs a decode step (docs/benchmarks.md, "One OpenMP team per process").
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Ray places, starts and joins the shards; each engine step then travels over
 the group's step channel (``actors.remote.step_channel``): the batch is pickled once
 and written to every rank's authenticated socket, and the step ends when
-every rank has answered. That costs a few hundred microseconds a step, where
-an ordinary actor call costs 1-2 ms and a Ray compiled graph spin-waits a
-core away on each end. Any shard that dies or raises turns into an
+every rank has answered: less than an ordinary actor call a step, and
+without the core a Ray compiled graph spin-waits away on each end (the
+figures: README, "Ray path overhead"). Any shard that dies or raises turns into an
 ``ExecutorFailure`` naming its rank; the executor then tears the whole group
 down at once (a surviving rank may be blocked in a collective that will never
 complete), and ``restart()`` builds a fresh one on a fresh port.

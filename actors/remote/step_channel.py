@@ -1,12 +1,12 @@
 """The per-step data path between the scheduler and its shards: one authenticated socket per rank.
 
 Why not a Ray call or a Ray compiled graph per step: an ordinary actor call
-costs 1-2 ms a step here, and a compiled graph's shared-memory channels wait
-by spinning (``sched_yield``) on both ends, so an idle reader holds a whole
-core. On a CPU host that core is the one the forward or the replica's output
-polling needs: measured on 2 cores, the scheduler process burned 93% of a
-core waiting and each step cost 2-4 ms more than in-process. A blocking
-socket waits in the kernel and wakes in microseconds.
+costs more than a socket round trip, and a compiled graph's shared-memory
+channels wait by spinning (``sched_yield``) on both ends, so an idle reader
+holds a whole core. On a CPU host that core is the one the forward or the
+replica's output polling needs (README, "Ray path overhead", has the
+figures from ``flotilla bench ray-overhead``). A blocking socket waits in
+the kernel and wakes at once.
 
 Setup goes through Ray (authenticated, placed): each shard opens a
 ``StepServer`` on its node's IP and returns its address; the executor starts

@@ -148,7 +148,8 @@ class TorchPagedAttention(AttentionBackend):
         self._plan: _StepPlan | None = None
         # Gather targets reused by every layer and step (grow-only). Fresh
         # allocations past glibc's mmap threshold (32 MiB) are page-faulted
-        # in on every call, which cost 10x the gather itself on a VM.
+        # in on every call, which costs more than the gather itself
+        # (docs/design_costs.md).
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
         self._decode_kernel = cpu_kernels.get_paged_decode(

@@ -1,12 +1,11 @@
 """Linear layers on CPU: oneDNN with prepacked weights, and the kernel for one or two rows.
 
 On CPU, ``F.linear`` calls the BLAS torch was built with (MKL). For the small
-row counts of decode steps MKL is slow on some hosts: on this project's AMD
-EPYC machine, one thread, a 1024x6144 fp32 product took 2.0 ms at 4 rows
-against 0.6 ms through oneDNN with the weight reordered once into its
-blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), and 11 ms vs
-4.4 ms at 150 rows (``_linear_pointwise``, the op torch's own compiler emits
-for CPU linears). vLLM's CPU backend takes the same route.
+row counts of decode steps MKL is slow on some hosts, and oneDNN with the
+weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, then ``_linear_pointwise``, the
+op torch's own compiler emits for CPU linears) is faster there
+(docs/design_costs.md). vLLM's CPU backend takes the same route.
 
 ``pack`` reorders a weight once, after loading, and checks the packed
 product against ``F.linear`` on a probe. The dense weight is kept beside
@@ -16,7 +15,7 @@ and a product that streams the dense weight row by row is what runs at the
 memory's bandwidth; from three rows up the packed weight is the faster one.
 
 Which streaming product is fastest depends on the CPU: MKL's GEMV is fast on
-Intel and takes a slow path on AMD, where batch-1 decode ran at 0.38x
+Intel and takes a slow path on AMD, where batch-1 decode fell far behind
 llama.cpp's (docs/benchmarks.md). So ``dense`` sends float32 products of one
 or two rows to this process's choice (``few_rows_choice``): the native GEMV
 (``kvcache/csrc/gemv.cpp``) or ``F.linear``, whichever was faster when timed

@@ -81,8 +81,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     top two candidates are often closer than that (0.08 apart on the first
     answer token of "What is the capital of France?"), so rounding would tie
     or swap them. In a float32 model the top ``REFINE_TOP_K`` logits of each
-    row are therefore recomputed in float32 from the same int8 rows (about
-    0.2 ms a row for a 49152-token vocabulary): greedy choices and the head
+    row are therefore recomputed in float32 from the same int8 rows (a dot
+    product per kept logit, against one per vocabulary entry): greedy choices and the head
     of the sampling distribution are those of the int8 weights, the other
     logits keep bfloat16 precision. A bfloat16 model keeps bfloat16 logits,
     as its float head does.

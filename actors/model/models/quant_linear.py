@@ -59,7 +59,7 @@ def _run_native(gemm: Any, dequant: Any, x: torch.Tensor, out_features: int, *we
 
     Up to ``DEQUANT_MIN_ROWS`` rows: ``gemm(out, x2d, *weights)``, which reads
     the quantized weight once. From there the product is compute-bound and
-    torch's float32 GEMM is faster than the native loop (2.4x at 128 rows), so
+    torch's float32 GEMM is faster than the native loop (docs/design_costs.md), so
     ``dequant(w, *weights)`` writes the float32 weight and ``F.linear`` runs.
     """
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()

@@ -42,7 +42,7 @@ from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from apps.disaggregation import prefill_app, split_pd, with_pool
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer

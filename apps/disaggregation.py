@@ -71,7 +71,7 @@ from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.disaggregation import PrefillResult, check_decode_drafting
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from actors.engine.stats import EngineStats, LatencyWindow

@@ -17,7 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import Executor
 from actors.engine.llm_engine import LLMEngine
 from actors.engine.outputs import CompletionOutput, RequestOutput

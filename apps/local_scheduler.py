@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.disaggregation import PrefillResult
 from actors.engine.outputs import RequestOutput
 from actors.engine.stats import EngineStats

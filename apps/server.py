@@ -47,7 +47,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.load.loader import load_tokenizer, resolve_model_path
 from actors.remote.scheduler_handle import ActorScheduler, SchedulerHandle
 from apps import protocol as p

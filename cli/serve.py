@@ -22,7 +22,7 @@ import signal
 import time
 from typing import Any
 
-from actors.load.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
 from kvcache.kv_dtypes import KV_CACHE_DTYPES

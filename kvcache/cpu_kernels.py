@@ -6,9 +6,9 @@ over K and V and no gather copy, on pages in the model dtype or quantized
 (int8 / fp8 e4m3 with per-token, per-head scales); and ``quantize_write``,
 which stores a step's k and v into quantized pages (source:
 ``csrc/paged_decode.cpp``). ``get_quant_gemm`` hands out the weight-only
-int8/int4 products of ``actors.model.models.quant_linear`` (``csrc/quant_gemm.cpp``)
+int8/int4 products of ``actors.models.quant_linear`` (``csrc/quant_gemm.cpp``)
 and ``get_gemv`` the float32 product of one or two rows that
-``actors.model.models.cpu_linear`` may pick for batch-1 decode (``csrc/gemv.cpp``),
+``actors.models.cpu_linear`` may pick for batch-1 decode (``csrc/gemv.cpp``),
 both built into the same module. It is
 built with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ``ninja``) into

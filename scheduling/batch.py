@@ -22,7 +22,7 @@ class TokenMasks:
     """The tokens some sampled rows may take (structured output, ``actors.grammar``).
 
     ``rows`` are indices into the step's sampled rows (one per sampled
-    sequence, or ``1 + len(drafts)`` with drafts: ``actors.model.spec_verify``), in
+    sequence, or ``1 + len(drafts)`` with drafts: ``actors.runner.spec_verify``), in
     increasing order. ``bitmask`` is an int32 tensor ``(len(rows), ceil(vocab
     / 32))``: token t is allowed in row i when bit ``t % 32`` of word ``t //
     32`` is set.

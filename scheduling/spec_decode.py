@@ -3,7 +3,7 @@
 Per step, a decoding sequence may carry ``k`` draft tokens after its last
 sampled token; the step computes all ``k + 1`` and samples at each, and the
 longest prefix of drafts the sampler agrees with is kept, plus one token the
-sampler chose (``actors.model.spec_verify``). Where drafts come from:
+sampler chose (``actors.runner.spec_verify``). Where drafts come from:
 
 - ``ngram``: proposed here, at schedule time, by prompt lookup
   (``scheduling.ngram_proposer``); no model runs.

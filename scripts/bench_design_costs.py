@@ -8,16 +8,16 @@ time). docs/design_costs.md sets the figures beside the choice they back.
 
 Prints one JSON object, an entry per choice, times in microseconds:
 - ``greedy_pick``: ``max().indices`` vs ``argmax()`` over 16 rows of a
-  49,152-token vocabulary (``actors/model/sampler.py``).
+  49,152-token vocabulary (``actors/runner/sampler.py``).
 - ``token_masks``: the byte-table mask (``actors/grammar/masks.py``) vs
   xgrammar's CPU ``apply_token_bitmask_inplace``, per row.
 - ``prompt_encode``: the tiny model's tokenizer, per character and fixed,
   against a hop to a worker thread and back (``apps/prompt_encoder.py``).
 - ``onednn_linear``: a 1024x6144 float32 product through the prepacked
   oneDNN weight vs ``F.linear``, at 4 and 150 rows
-  (``actors/model/models/cpu_linear.py``).
+  (``actors/models/cpu_linear.py``).
 - ``int8_large_batch``: an int8 linear of 128 rows through the native loop vs
-  dequantize + float32 GEMM (``actors/model/models/quant_linear.py``).
+  dequantize + float32 GEMM (``actors/models/quant_linear.py``).
 - ``gather_buffer``: a 64 MiB gather into a fresh tensor vs into a reused
   one (``kvcache/attention/torch_paged.py``).
 - ``kv_pickle``: 32 MiB of bfloat16 KV (a 2,048-token prompt of ``small``)
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from actors.grammar.masks import apply_token_masks
 from actors.load.embedded import build_tokenizer
-from actors.model.models import cpu_linear, quant_linear
+from actors.models import cpu_linear, quant_linear
 from scheduling.batch import TokenMasks
 
 VOCAB = 49_152

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from transformers import PreTrainedTokenizerBase
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.executor import Executor
 from actors.engine.outputs import SequenceDelta, SequenceTiming

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from kvcache.kv_pool import KVCapacity
 from kvcache.kv_transfer import KVLayout, KVPayload
 from scheduling.batch import Batch, StepOutput
@@ -45,7 +45,7 @@ class LocalExecutor(Executor):
     """The whole model in this process (tensor_parallel_size 1)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from actors.model.runner import ModelRunner
+        from actors.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(config)
         self.capacity = self.runner.capacity

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from xgrammar import CompiledGrammar
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.disaggregation import collect_exports
 from actors.engine.executor import Executor, LocalExecutor

@@ -35,9 +35,9 @@ from actors.load.presets import PRESETS, ensure_preset
 from actors.load.quant import compressed_tensors
 from actors.load.quant.plan import QuantPlan, resolve_plan
 from actors.log import get_logger
-from actors.model.models.llama import LlamaForCausalLM
-from actors.model.models.quant_linear import Int4Codes, Int8Blocks
-from actors.model.models.registry import resolve_architecture
+from actors.models.llama import LlamaForCausalLM
+from actors.models.quant_linear import Int4Codes, Int8Blocks
+from actors.models.registry import resolve_architecture
 from scheduling.errors import InvalidParameterError
 
 # Files a hub download needs; skips e.g. original/*.pth consolidated copies.

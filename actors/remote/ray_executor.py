@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import Executor, with_rank_exports
 from actors.errors import ExecutorFailure
 from actors.log import get_logger

@@ -23,7 +23,7 @@ from dataclasses import replace
 import ray
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.disaggregation import (
     PrefillResult,
     RankPayloadsOrRef,

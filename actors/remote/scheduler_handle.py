@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.disaggregation import PrefillResult
 from actors.engine.stats import EngineStats
 from actors.remote.scheduler_actor import SchedulerActor

@@ -26,8 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.engine.config import EngineConfig
-from actors.model.runner import ModelRunner
+from actors.config import EngineConfig
 from actors.remote.cpu_threads import call_on_new_thread, ray_reserved_cpus, set_cpu_threads
 from actors.remote.distributed import (
     Rendezvous,
@@ -37,6 +36,7 @@ from actors.remote.distributed import (
     node_ip,
 )
 from actors.remote.step_channel import ChannelAddress, StepServer
+from actors.runner.model_runner import ModelRunner
 from kvcache.kv_pool import KVCapacity
 from kvcache.kv_transfer import KVLayout
 from scheduling.batch import Batch, StepOutput

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import ray
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import Executor, LocalExecutor
 from actors.errors import ExecutorFailure
 from scheduling.batch import Batch, StepOutput

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import actors.engine.llm_engine
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import LocalExecutor
 from kvcache.kv_transfer import KVPayload
 from scheduling.batch import Batch, StepOutput, TokenMasks

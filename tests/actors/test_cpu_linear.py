@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.model.models import cpu_linear
-from actors.model.models.embedding import ParallelLMHead
-from actors.model.models.layers import ColumnParallelLinear, RowParallelLinear
+from actors.models import cpu_linear
+from actors.models.embedding import ParallelLMHead
+from actors.models.layers import ColumnParallelLinear, RowParallelLinear
 from kvcache import cpu_kernels
 from scheduling.errors import InvalidParameterError
 

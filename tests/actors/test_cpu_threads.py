@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import LocalExecutor
 from actors.load.embedded import build_tokenizer
 from actors.remote import shard_actor

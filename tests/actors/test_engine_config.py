@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from actors.engine.config import EngineConfig
-from actors.model.runner import make_attention_backend
+from actors.config import EngineConfig
+from actors.runner.model_runner import make_attention_backend
 from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool
 from scheduling.errors import InvalidParameterError

@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import Executor
 from actors.engine.llm_engine import LLMEngine
 from actors.engine.outputs import SequenceDelta

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.outputs import SequenceDelta
 from actors.engine.stats import EngineStats
 from actors.remote.scheduler_actor import SchedulerService

@@ -14,7 +14,7 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError, OwnerDiedError, RayActorError, RayTaskError
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.disaggregation import PrefillResult
 from actors.engine.stats import EngineStats
 from actors.remote.scheduler_actor import SchedulerActor, SchedulerService

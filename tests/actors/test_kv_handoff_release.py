@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.disaggregation import PrefillResult
 from actors.engine.outputs import SequenceDelta
 from actors.engine.stats import EngineStats

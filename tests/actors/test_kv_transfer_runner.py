@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import Executor, LocalExecutor, with_rank_exports
 from actors.errors import ExecutorFailure
 from actors.remote.ray_executor import RayExecutor

@@ -11,15 +11,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from actors.load.loader import load_model
-from actors.model.models.layers import (
+from actors.models.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     rope_inv_freq,
 )
-from actors.model.models.llama import LlamaArgs, LlamaForCausalLM
-from actors.model.models.registry import (
+from actors.models.llama import LlamaArgs, LlamaForCausalLM
+from actors.models.registry import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
     resolve_architecture,

@@ -18,7 +18,7 @@ from actors.load.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from actors.model.models.registry import UnsupportedModelError
+from actors.models.registry import UnsupportedModelError
 from tests.actors.checkpoints import new_dense, step_logits
 
 TOKENS = [1, 50, 300, 7, 7, 2, 511]

@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 
 from actors.load.loader import load_model
 from actors.load.quant.compressed_tensors import read_scheme
-from actors.model.models.layers import ParallelLinear
-from actors.model.models.quant_linear import Int4Codes, Int4Linear
+from actors.models.layers import ParallelLinear
+from actors.models.quant_linear import Int4Codes, Int4Linear
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import build_hf_model, llama_config, new_dense, step_logits
 

@@ -24,9 +24,9 @@ from actors.load.gguf.dequant import dequantize
 from actors.load.gguf.q4_blocks import GROUP_SIZE, q4_codes
 from actors.load.gguf.reader import GGUFTensor
 from actors.load.loader import load_model, load_tokenizer
-from actors.model.models import quant_linear
-from actors.model.models.layers import ParallelLinear
-from actors.model.models.quant_linear import Int4Codes, Int4Linear
+from actors.models import quant_linear
+from actors.models.layers import ParallelLinear
+from actors.models.quant_linear import Int4Codes, Int4Linear
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import new_dense, step_logits
 from tests.actors.gguf_files import T, gguf_llama_config, write_llama_gguf

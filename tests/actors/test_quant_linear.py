@@ -18,15 +18,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.model.models.embedding import REFINE_TOP_K, ParallelLMHead
-from actors.model.models.layers import (
+from actors.models.embedding import REFINE_TOP_K, ParallelLMHead
+from actors.models.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from actors.model.models.quant_linear import (
+from actors.models.quant_linear import (
     DEQUANT_MIN_ROWS,
     Int4Codes,
     Int4Linear,

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from actors.load.loader import load_model
-from actors.model.models.layers import ParallelLinear
-from actors.model.models.llama import LlamaForCausalLM
-from actors.model.models.quant_linear import Int4Linear, Int8Linear
+from actors.models.layers import ParallelLinear
+from actors.models.llama import LlamaForCausalLM
+from actors.models.quant_linear import Int4Linear, Int8Linear
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import new_dense, step_logits
 

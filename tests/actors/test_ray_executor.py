@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import RayActorError
 from transformers import PretrainedConfig
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.errors import ExecutorFailure
 from actors.load.embedded import build_tokenizer
 from actors.remote.ray_executor import PlacementError, RayExecutor

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from actors.model.logit_adjust import apply_penalties
-from actors.model.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from actors.runner.logit_adjust import apply_penalties
+from actors.runner.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from scheduling.batch import StepOutput
 from scheduling.sampling_params import SamplingParams
 
@@ -140,7 +140,7 @@ def _reference_mask(row: torch.Tensor, k: int, p: float) -> list[bool]:
 
 
 def test_top_k_top_p_match_full_sort_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    import actors.model.sampler as sampler_module
+    import actors.runner.sampler as sampler_module
 
     vocab, gen = 300, torch.Generator().manual_seed(8)
     cases = [(k, p) for k in (vocab, 1, 5, 100, 200) for p in (1.0, 0.05, 0.5, 0.9, 0.99)]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.outputs import SequenceDelta
 from actors.remote.scheduler_actor import SchedulerActor
 from actors.remote.step_messages import StepMessage

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import ray
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.remote.scheduler_actor import SchedulerActor
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.grammar.compiler import GrammarCompiler
 from actors.remote.scheduler_actor import SchedulerService
 from scheduling.errors import InvalidParameterError

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-import actors.model.runner
+import actors.runner.model_runner
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 
@@ -100,7 +100,7 @@ def test_a_verifier_that_keeps_every_draft_is_caught(
     def keep_all(token_ids: list[int], drafts: list[list[int]]) -> list[int]:
         return [len(d) for d in drafts]
 
-    monkeypatch.setattr(actors.model.runner, "count_accepted", keep_all)
+    monkeypatch.setattr(actors.runner.model_runner, "count_accepted", keep_all)
     p = chi_square_p(baseline, first_tokens(engines["ngram"]))
     print(f"keep-all verifier: p = {p:.2e}")
     assert p < P_MIN

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.outputs import RequestOutput
 from actors.engine.stats import EngineStats
 from actors.remote.cpu_threads import usable_cores

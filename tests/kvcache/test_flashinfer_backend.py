@@ -13,8 +13,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from actors.engine.config import EngineConfig
-from actors.model.runner import make_attention_backend
+from actors.config import EngineConfig
+from actors.runner.model_runner import make_attention_backend
 from apps.llm import LLM
 from kvcache.attention.backend import StepLayout
 from kvcache.attention.flashinfer import (

@@ -2,7 +2,7 @@
 
 ``plan.resolve_plan`` decides what ``actors.load.loader.load_model`` does for a
 ``quantization`` setting and a checkpoint; the kernels and quantizers are in
-``actors.model.models.quant_linear``, the GGUF block reader in
+``actors.models.quant_linear``, the GGUF block reader in
 ``actors.load.gguf.q4_blocks``, the compressed-tensors reader in
 ``actors.load.quant.compressed_tensors``.
 

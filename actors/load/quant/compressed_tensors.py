@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import ValidationError
 
-from actors.model.models.quant_linear import INT4_KERNEL_GROUP_SIZES, Int4Codes
+from actors.models.quant_linear import INT4_KERNEL_GROUP_SIZES, Int4Codes
 from scheduling.errors import InvalidParameterError
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from actors.load.gguf import q4_blocks
 from actors.load.gguf.convert import gguf_source
 from actors.load.gguf.reader import GGUFTensor, read_gguf
 from actors.load.quant import compressed_tensors as ct
-from actors.model.models.layers import ParallelLinear
+from actors.models.layers import ParallelLinear
 from scheduling.errors import InvalidParameterError
 
 METHODS = ("int8", "int4", "compressed-tensors")

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from actors.model.runner import ModelRunner
+from actors.runner.model_runner import ModelRunner
 from cli.bench.workload import DATA_DIR
 from kvcache.attention.backend import StepLayout
 from scheduling.errors import InvalidParameterError

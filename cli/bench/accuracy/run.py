@@ -58,9 +58,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.engine.executor import LocalExecutor
-from actors.model.runner import ModelRunner
+from actors.runner.model_runner import ModelRunner
 from apps.llm import LLM
 from cli.bench.accuracy.divergence import divergences, margin_quantiles
 from cli.bench.accuracy.forced import (

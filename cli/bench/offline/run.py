@@ -9,7 +9,7 @@ a prompt of ``batch1_prompt_len`` token ids (the workload's first prompt,
 repeated or cut), greedy, ``batch1_tokens`` tokens, run three times; its
 batch-1 decode tok/s is the figure to set beside ``llama-bench``'s ``tg``.
 ``cpu_gemv`` says which kernel ran this process's float32 products of one or
-two rows (``actors.model.models.cpu_linear``; null when the model loaded
+two rows (``actors.models.cpu_linear``; null when the model loaded
 none). Prints one JSON object.
 """
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.model.models import cpu_linear
+from actors.models import cpu_linear
 from apps.llm import LLM
 from cli.bench.harness import WARMUP_REQUESTS, batch1
 from cli.bench.workload import read_workload

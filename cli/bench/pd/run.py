@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from ray import serve
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.remote.cpu_threads import usable_cores
 from cli.bench.harness import deploy, local_ray
 from cli.bench.metrics import fetch

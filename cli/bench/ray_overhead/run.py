@@ -26,7 +26,7 @@ from typing import Any
 import ray
 import torch
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.remote.scheduler_actor import SchedulerActor
 from apps.llm import LLM
 from cli.bench.harness import WARMUP_REQUESTS, ray_running

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from apps.llm import LLM
 from cli.bench.harness import WARMUP_REQUESTS, Pass, measure
 from cli.bench.workload import is_chat, read_workload, workload_prompt_ids

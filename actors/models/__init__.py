@@ -1,9 +1,9 @@
-"""Model definitions over the paged KV cache, and the architecture registry."""
+"""The model families: their layers over the paged KV cache, CPU and quantized linears, and the architecture registry (``registry``) the loader resolves a checkpoint's config through."""
 
 from __future__ import annotations
 
-from actors.model.models.llama import LlamaForCausalLM
-from actors.model.models.registry import (
+from actors.models.llama import LlamaForCausalLM
+from actors.models.registry import (
     MODEL_REGISTRY,
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.model.models.llama import LlamaForCausalLM
+from actors.models.llama import LlamaForCausalLM
 from kvcache.attention.backend import AttentionBackend, StepLayout
 
 

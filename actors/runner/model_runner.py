@@ -13,13 +13,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from actors.engine.config import EngineConfig
+from actors.config import EngineConfig
 from actors.load.loader import load_model
 from actors.log import get_logger
-from actors.model.draft_runner import DraftRunner
-from actors.model.models.layers import ParallelLinear
-from actors.model.sampler import Sampler
-from actors.model.spec_verify import count_accepted, expand_sampling, sample_rows
+from actors.models.layers import ParallelLinear
+from actors.runner.draft_runner import DraftRunner
+from actors.runner.sampler import Sampler
+from actors.runner.spec_verify import count_accepted, expand_sampling, sample_rows
 from kvcache.attention.backend import AttentionBackend, StepLayout
 from kvcache.attention.flashinfer import FlashInferPagedAttention, load_flashinfer
 from kvcache.attention.torch_paged import TorchPagedAttention
@@ -294,7 +294,7 @@ def _broadcast_lists(
 
 
 def _pack_linears(model: torch.nn.Module) -> None:
-    """Move every linear layer's weight to oneDNN's packed layout (see ``actors.model.models.cpu_linear``)."""
+    """Move every linear layer's weight to oneDNN's packed layout (see ``actors.models.cpu_linear``)."""
     layers = [m for m in model.modules() if isinstance(m, ParallelLinear)]
     packed = [layer for layer in layers if layer.pack_for_cpu()]
     extra = sum(layer.weight.numel() * layer.weight.element_size() for layer in packed)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from actors.model.models.layers import (
+from actors.models.layers import (
     MergedColumnParallelLinear,
     ParallelLinear,
     ParallelLMHead,
@@ -29,7 +29,7 @@ from actors.model.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
-from actors.model.models.quant_linear import Int4Codes, Int8Blocks, Int8Linear
+from actors.models.quant_linear import Int4Codes, Int8Blocks, Int8Linear
 from kvcache.attention.backend import AttentionBackend
 from scheduling.errors import InvalidParameterError
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.model.models.llama import HFConfig, LlamaForCausalLM, config_get
+from actors.models.llama import HFConfig, LlamaForCausalLM, config_get
 from scheduling.errors import InvalidParameterError
 
 # HF `architectures` entry -> our implementation.

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from actors.load.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
+from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 from kvcache.attention.flashinfer import FlashInferKernels, check_flashinfer_settings
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.models import cpu_linear
-from actors.model.models.quant_linear import Int8Blocks, Int8Linear
+from actors.models import cpu_linear
+from actors.models.quant_linear import Int8Blocks, Int8Linear
 
 REFINE_TOP_K = 32  # logits per row an int8 head recomputes in float32
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.models import cpu_linear
-from actors.model.models.embedding import ParallelLMHead as ParallelLMHead
-from actors.model.models.embedding import VocabParallelEmbedding as VocabParallelEmbedding
-from actors.model.models.quant_linear import (
+from actors.models import cpu_linear
+from actors.models.embedding import ParallelLMHead as ParallelLMHead
+from actors.models.embedding import VocabParallelEmbedding as VocabParallelEmbedding
+from actors.models.quant_linear import (
     INT4_OUT_MULTIPLE,
     Int4Codes,
     Int4Linear,
@@ -27,9 +27,9 @@ from actors.model.models.quant_linear import (
     Int8Linear,
     QuantizedLinear,
 )
-from actors.model.models.rotary import RotaryEmbedding as RotaryEmbedding
-from actors.model.models.rotary import apply_rotary as apply_rotary
-from actors.model.models.rotary import rope_inv_freq as rope_inv_freq
+from actors.models.rotary import RotaryEmbedding as RotaryEmbedding
+from actors.models.rotary import apply_rotary as apply_rotary
+from actors.models.rotary import rope_inv_freq as rope_inv_freq
 from scheduling.errors import InvalidParameterError
 
 

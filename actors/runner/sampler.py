@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from actors.grammar.masks import apply_token_masks
-from actors.model.logit_adjust import apply_logit_bias, apply_penalties
+from actors.runner.logit_adjust import apply_logit_bias, apply_penalties
 from scheduling.batch import StepOutput, TokenLogprobs, TokenMasks
 from scheduling.sampling_params import SamplingParams
 

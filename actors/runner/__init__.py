@@ -1,0 +1,1 @@
+"""The model runner, on one device: turns a ``Batch`` into a forward over the paged KV cache (``model_runner``), samples (``sampler``, ``logit_adjust``), verifies drafts (``spec_verify``) and drafts (``draft_runner``). The model families it runs are in ``actors.models``."""

@@ -281,6 +281,6 @@ def prefill_app(engine: dict[str, Any], options: dict[str, Any], deploy: dict[st
     return deployment.options(**deploy).bind(engine, **options)
 
 
-def with_pool(autoscaling: Any, pool: str) -> Any:
+def with_pool(autoscaling: object, pool: str) -> object:
     """The pool's autoscaling dict with ``pool`` set (a non-mapping is left for the validator to refuse)."""
     return {**autoscaling, "pool": pool} if isinstance(autoscaling, dict) else autoscaling

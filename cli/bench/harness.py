@@ -23,10 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-from ray import serve
-
-from apps.builder import build_app
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 
@@ -38,6 +34,9 @@ BATCH1_RUNS = 3
 
 
 # ------------------------------------------------------------------- Ray and Serve
+# Ray, Serve and apps.builder are imported in the functions below, not at the top: the offline
+# benchmarks import this module too, never start Ray, and report their peak RSS, which
+# importing Serve would raise by itself.
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -59,6 +58,9 @@ def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
 @contextlib.contextmanager
 def local_ray(num_cpus: int) -> Iterator[int]:
     """A local Ray cluster and Serve on a free loopback port (yields the port)."""
+    import ray  # see the section comment: not loaded for the offline benchmarks
+    from ray import serve
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
@@ -73,6 +75,8 @@ def local_ray(num_cpus: int) -> Iterator[int]:
 @contextlib.contextmanager
 def ray_running(num_cpus: int) -> Iterator[None]:
     """Ray for this process, without Serve: the cluster already up, else a private one stopped on exit."""
+    import ray  # see the section comment: not loaded for the offline benchmarks
+
     started = not ray.is_initialized()
     if started:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -86,6 +90,10 @@ def ray_running(num_cpus: int) -> Iterator[None]:
 
 def deploy(app_arguments: dict[str, Any], port: int, name: str) -> str:
     """Run ``build_app(app_arguments)`` as Serve app ``name`` at ``/``; returns its URL once healthy."""
+    from ray import serve  # see the section comment: not loaded for the offline benchmarks
+
+    from apps.builder import build_app
+
     serve.run(build_app(app_arguments), name=name, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache import device_copy
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype, kv_bytes_per_token_head
 from kvcache.kv_quant import SCALE_DTYPE, STORAGE_DTYPES, is_quantized
@@ -132,20 +133,29 @@ class KVPool:
     def read_pages(self, pages: list[int]) -> KVPayload:
         """A CPU copy of ``pages``' contents (every layer, k and v, scales too), in ``pages`` order.
 
-        On CUDA this waits for the work queued so far (the copy to the host).
+        On CUDA this waits once for the work queued so far (``device_copy.to_host``).
+        """
+        return self.payload(device_copy.to_host(self.gather_pages(pages)))
+
+    def gather_pages(self, pages: list[int]) -> list[torch.Tensor]:
+        """``pages``' contents on the pool's device, copied out of the pool (nothing waits).
+
+        Every layer's k, then every layer's v, then (quantized pools) the k
+        and v scales the same way; ``payload`` takes their host copies.
         """
         index = self._page_index(pages)
+        caches = [*self.k_caches, *self.v_caches, *(self.k_scales or []), *(self.v_scales or [])]
+        return [c.index_select(0, index) for c in caches]
 
-        def gather(caches: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...] | None:
-            if caches is None:
-                return None
-            return tuple(c.index_select(0, index).cpu().contiguous() for c in caches)
-
-        k, v = gather(self.k_caches), gather(self.v_caches)
-        assert k is not None and v is not None
+    def payload(self, host: list[torch.Tensor]) -> KVPayload:
+        """The ``KVPayload`` of host copies of a ``gather_pages`` result (in its order)."""
+        n = self.num_layers
+        assert len(host) == (4 if self.is_quantized else 2) * n, (len(host), n)
+        k, v = tuple(host[:n]), tuple(host[n : 2 * n])
+        k_scales = tuple(host[2 * n : 3 * n]) if self.is_quantized else None
+        v_scales = tuple(host[3 * n :]) if self.is_quantized else None
         return KVPayload(
-            k=k, v=v, k_scales=gather(self.k_scales), v_scales=gather(self.v_scales),
-            kv_dtype=self.kv_dtype, dtype=dtype_name(self.dtype),
+            k=k, v=v, k_scales=k_scales, v_scales=v_scales, kv_dtype=self.kv_dtype, dtype=dtype_name(self.dtype),
         )
 
     def write_pages(self, pages: list[int], payload: KVPayload) -> None:
@@ -167,14 +177,14 @@ class KVPool:
             for cache, value in zip(caches, values, strict=True):
                 # Copied as same-width integers: index_copy_ has no float8 kernel on CPU.
                 bits = INT_OF_WIDTH[cache.element_size()]
-                cache.view(bits).index_copy_(0, index, value.to(self.device).view(bits))
+                cache.view(bits).index_copy_(0, index, device_copy.to_device(value, self.device).view(bits))
 
     def _page_index(self, pages: list[int]) -> torch.Tensor:
         if pages and not 0 <= min(pages) <= max(pages) < self.num_pages:
             raise KVPayloadMismatchError(
                 "pages", f"page ids must be in [0, {self.num_pages}), got {min(pages)}..{max(pages)}"
             )
-        return torch.tensor(pages, dtype=torch.long, device=self.device)
+        return device_copy.as_device_tensor(pages, torch.long, self.device)
 
     def __repr__(self) -> str:
         return (

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.attention.backend import StepLayout
+from kvcache.device_copy import as_device_tensor
 
 
 def num_pages_for(num_tokens: int, page_size: int) -> int:
@@ -37,7 +38,10 @@ def check_layout(layout: StepLayout, page_size: int) -> None:
 def build_slot_mapping(
     layout: StepLayout, page_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """Flat pool slot of every new token, in step token order; int64, (num_tokens,)."""
+    """Flat pool slot of every new token, in step token order; int64, (num_tokens,).
+
+    Built on the host and copied to ``device`` without waiting for it (``device_copy``).
+    """
     slots: list[int] = []
     for q, c, pages in zip(layout.query_lens, layout.context_lens, layout.page_tables, strict=True):
         if q == 1:  # decode, the common case: no range object per sequence
@@ -46,7 +50,7 @@ def build_slot_mapping(
             continue
         for p in range(c - q, c):
             slots.append(pages[p // page_size] * page_size + p % page_size)
-    return torch.tensor(slots, dtype=torch.int64, device=device)
+    return as_device_tensor(slots, torch.int64, torch.device(device))
 
 
 # Cost model for splitting sequences into padded attention groups, in
@@ -180,8 +184,10 @@ def build_attention_group(
         if used < pages_per_seq:
             page_rows += [0] * (pages_per_seq - used)
 
+    dev = torch.device(device)
+
     def as_index(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return as_device_tensor(values, torch.int64, dev)
 
     whole_step = n == len(layout.query_lens)
     padded = any(ql != max_q for ql in qlens)
@@ -205,27 +211,28 @@ def build_attention_group(
             out_rows = as_index(real_rows) if padded else None
             token_index = None if whole_step else as_index(tokens)
 
+    # Masks are built on the device from the lengths (copied as small index
+    # tensors): a mask reaches max_query_len * group_size * max_context_len
+    # elements per sequence, too much to build on the host and copy.
     mask: torch.Tensor | None = None
     causal = max_q > 1 and all(q == max_q for q in qlens) and all(c == max_q for c in ctxs)
-    ctx_t = torch.tensor(ctxs, dtype=torch.int64)
     if causal:
         pass
     elif max_q == 1:
         if any(c != max_c for c in ctxs):  # decode: hide each sequence's padding keys
-            mask = (torch.arange(max_c)[None, :] < ctx_t[:, None]).view(n, 1, 1, max_c)
+            ctx_t = as_index(ctxs)
+            mask = (torch.arange(max_c, device=dev)[None, :] < ctx_t[:, None]).view(n, 1, 1, max_c)
     else:
-        qlen_t = torch.tensor(qlens, dtype=torch.int64)
+        ctx_t, qlen_t = as_index(ctxs), as_index(qlens)
         # Row i's position; padded rows clamp to the last real row (finite, dropped).
-        rows = torch.minimum(torch.arange(max_q)[None, :], (qlen_t - 1)[:, None])
+        rows = torch.minimum(torch.arange(max_q, device=dev)[None, :], (qlen_t - 1)[:, None])
         qpos = ctx_t[:, None] - qlen_t[:, None] + rows  # (n, max_q)
-        allowed = torch.arange(max_c)[None, None, :] <= qpos[:, :, None]  # (n, max_q, max_c)
+        allowed = torch.arange(max_c, device=dev)[None, None, :] <= qpos[:, :, None]  # (n, max_q, max_c)
         if group_size > 1:
             allowed = allowed.repeat_interleave(group_size, dim=1)
         mask = allowed.unsqueeze(1)
     if mask is not None and mask_dtype != torch.bool:
-        mask = torch.zeros(mask.shape, dtype=mask_dtype).masked_fill_(~mask, float("-inf"))
-    if mask is not None:
-        mask = mask.to(device)
+        mask = torch.zeros(mask.shape, dtype=mask_dtype, device=dev).masked_fill_(~mask, float("-inf"))
 
     return AttentionGroup(
         seq_ids=list(seq_ids),
@@ -269,7 +276,7 @@ def build_flashinfer_indices(
         last_page_len.append(c - (used - 1) * page_size)
 
     def as_i32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+        return as_device_tensor(values, torch.int32, torch.device(device))
 
     return {
         "qo_indptr": as_i32(qo_indptr),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcache.device_copy import as_device_tensor, to_device
 from scheduling.batch import TokenMasks
 
 _BITS = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
@@ -20,13 +21,13 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
     """``logits`` (rows, vocab) with each masked row's disallowed tokens at -inf (a new tensor)."""
     vocab = logits.shape[1]
     bitmask: torch.Tensor = masks.bitmask
-    table = _BYTE_TO_ADD.to(device=logits.device, dtype=logits.dtype)
+    # Host tensors both: copied without waiting for the device (``kvcache.device_copy``).
+    table = to_device(_BYTE_TO_ADD, logits.device).to(logits.dtype)
     # int32 words are little-endian in memory, so byte j of a row holds tokens 8j .. 8j + 7.
-    add = table[bitmask.to(logits.device).view(torch.uint8).long()].view(len(masks.rows), -1)[:, :vocab]
+    add = table[to_device(bitmask, logits.device).view(torch.uint8).long()].view(len(masks.rows), -1)[:, :vocab]
     out = logits.clone()
     if len(masks.rows) == logits.shape[0]:
         out += add
     else:
-        index = torch.tensor(masks.rows, device=logits.device)
-        out.index_add_(0, index, add)
+        out.index_add_(0, as_device_tensor(masks.rows, torch.long, logits.device), add)
     return out

@@ -10,6 +10,7 @@ from itertools import chain
 
 import torch
 
+from kvcache.device_copy import as_device_tensor, to_device
 from scheduling.sampling_params import SamplingParams
 
 
@@ -30,7 +31,7 @@ def apply_penalties(
     device, dtype = logits.device, logits.dtype
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+        return as_device_tensor(values, dtype, device).unsqueeze(1)
 
     rep = [p.repetition_penalty for p in params]
     frequency = [p.frequency_penalty for p in params]
@@ -52,16 +53,20 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     """``logits`` (R, V) plus each row's ``logit_bias``, out of place; one scatter for every biased row."""
     pairs = [(i, tid, bias) for i, p in enumerate(params) for tid, bias in p.logit_bias]
     rows, cols, values = zip(*pairs, strict=True)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+    device = logits.device
+    index = (as_device_tensor(rows, torch.long, device), as_device_tensor(cols, torch.long, device))
+    return logits.index_put(index, as_device_tensor(values, logits.dtype, device), accumulate=True)
 
 
 def _token_counts(token_ids: list[list[int]], like: torch.Tensor) -> torch.Tensor:
     """(R, V) int64 counts of each token id in each row's list, on ``like``'s device."""
     num_rows, vocab = like.shape
     # Index built on the host (the lists are there), counted on the device.
-    lengths = torch.tensor([len(ids) for ids in token_ids])
-    rows = torch.repeat_interleave(torch.arange(num_rows), lengths)
+    # Sizes come from the lists: bincount's and repeat_interleave's would be
+    # read from tensors, a wait for a CUDA device.
+    lengths = [len(ids) for ids in token_ids]
+    rows = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(lengths), output_size=sum(lengths))
     flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long)
-    index = (rows * vocab + flat).to(like.device)
-    return torch.bincount(index, minlength=num_rows * vocab).view(num_rows, vocab)
+    index = to_device(rows * vocab + flat, like.device)
+    counts = torch.zeros(num_rows * vocab, dtype=torch.long, device=like.device)
+    return counts.index_add_(0, index, torch.ones_like(index)).view(num_rows, vocab)

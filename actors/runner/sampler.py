@@ -12,10 +12,14 @@ its token a function of its own logits, params and position only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from actors.grammar.masks import apply_token_masks
 from actors.runner.logit_adjust import apply_logit_bias, apply_penalties
+from kvcache import device_copy
+from kvcache.device_copy import as_device_tensor
 from scheduling.batch import StepOutput, TokenLogprobs, TokenMasks
 from scheduling.sampling_params import SamplingParams
 
@@ -23,6 +27,9 @@ _MASK64 = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny
 # Tokens per row that top-p looks at before falling back to a full sort.
 _HEAD = 64
+# The least double that rounds to 1.0 in float32: top-p is off from here up,
+# as it is for the float32 tensor of top-p values the filter computes with.
+_P_OFF = 1.0 - 2.0**-25
 
 
 def _all_plain_greedy(params: list[SamplingParams]) -> bool:
@@ -53,40 +60,63 @@ def _mix_seed(seed: int, num_output_tokens: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def _reads_are_free(device: torch.device) -> bool:
+    """On the CPU a host read of a tensor waits for nothing, so a filter may branch on its values there.
+
+    Elsewhere (CUDA) every branch is decided from the host's lists, never by
+    reading a tensor mid-step (``kvcache.device_copy``).
+    """
+    return device.type == "cpu"
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its nucleus.
 
-    ``top_k`` is (R,) long, ``vocab`` meaning off: exactly k tokens survive.
-    ``top_p`` is (R,) float, >= 1 meaning off: the nucleus is the smallest set
-    of most likely tokens (after top-k) whose mass reaches p, so the best
+    ``top_k`` per row, ``vocab`` (or more) meaning off: exactly k tokens
+    survive. ``top_p`` per row, >= 1 meaning off: the nucleus is the smallest
+    set of most likely tokens (after top-k) whose mass reaches p, so the best
     token always survives. Rows with neither come back unchanged.
     """
-    vocab = logits.shape[-1]
-    k_on, p_on = top_k < vocab, top_p < 1.0
-    # Off is inf, not 1.0: rounding could push a mass of 1.0 below the total.
-    top_p = top_p.masked_fill(~p_on, float("inf"))
-    # Sorting whole rows is the slow part (~30x a softmax on CPU), so sort
+    vocab, device = logits.shape[-1], logits.device
+    k_on = [k < vocab for k in top_k]
+    p_on = [p < _P_OFF for p in top_p]
+    # Sorting whole rows is the slow part (on CPU, far more than a softmax), so sort
     # only the head of each row: the largest top-k, and for nucleus rows at
-    # least _HEAD tokens; nucleus rows the head cannot settle get a full sort.
-    head = max(int(top_k[k_on].max()) if bool(k_on.any()) else 1, _HEAD)
-    out, unresolved = _filter_head(logits, top_k, top_p, min(head, vocab))
-    if bool(unresolved.any()):
-        rows = unresolved.nonzero().squeeze(1)
-        out[rows] = _filter_head(logits[rows], top_k[rows], top_p[rows], vocab)[0]
-    return torch.where((k_on | p_on).unsqueeze(1), out, logits)
+    # least _HEAD tokens. A nucleus row without top-k may reach past the head:
+    # on the CPU those the head cannot settle get a full sort (a read decides
+    # which); on a device every such row gets one, decided on the host.
+    head = min(max(max((k for k, on in zip(top_k, k_on, strict=True) if on), default=1), _HEAD), vocab)
+    whole_rows = [i for i, (k, p) in enumerate(zip(k_on, p_on, strict=True)) if p and not k]
+    k_t = as_device_tensor([min(k, vocab) for k in top_k], torch.long, device)
+    # Off is inf, not 1.0: rounding could push a mass of 1.0 below the total.
+    p_t = as_device_tensor([p if on else float("inf") for p, on in zip(top_p, p_on, strict=True)],
+                           torch.float32, device)
+    whole_row_mass = not all(k_on)
+    out, unresolved = _filter_head(logits, k_t, p_t, head, whole_row_mass=whole_row_mass)
+    if whole_rows and head < vocab:
+        if _reads_are_free(device):
+            rows = unresolved.nonzero().squeeze(1) if bool(unresolved.any()) else None
+        else:
+            rows = as_device_tensor(whole_rows, torch.long, device)
+        if rows is not None:
+            out[rows] = _filter_head(logits[rows], k_t[rows], p_t[rows], vocab, whole_row_mass=True)[0]
+    if all(k_on[i] or p_on[i] for i in range(len(k_on))):
+        return out
+    keep = as_device_tensor([k or p for k, p in zip(k_on, p_on, strict=True)], torch.bool, device)
+    return torch.where(keep.unsqueeze(1), out, logits)
 
 
 def _filter_head(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, head: int
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, head: int, *, whole_row_mass: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k/top-p over the ``head`` best tokens of each row (all others masked).
 
-    Returns the masked logits and which rows have a nucleus reaching past the
-    head (their result is wrong). Every quantity a row's mask depends on is a
-    prefix sum along that row or a reduction over the whole row, never over
-    the head, so the mask does not depend on ``head`` (set by other rows).
+    ``top_p`` is inf where off. ``whole_row_mass``: some row has no top-k (so
+    its nucleus is measured against the whole row). Returns the masked
+    logits and which rows have a nucleus reaching past the head (their
+    result is wrong). Every quantity a row's mask depends on is a prefix sum
+    along that row or a reduction over the whole row, never over the head, so
+    the mask does not depend on ``head`` (set by other rows).
     """
     values, ids = logits.topk(head, dim=-1)
     inf = float("-inf")
@@ -98,7 +128,7 @@ def _filter_head(
     # masked tail adds exact zeros), else the whole row, whatever the head.
     k_on = top_k < logits.shape[-1]
     total = cumulative[:, -1]
-    if not bool(k_on.all()):
+    if whole_row_mass:
         whole_row = (logits - values[:, :1]).exp().sum(dim=-1)
         total = torch.where(k_on, total, whole_row)
     # The best token has mass 0 before it, below any p > 0: it always stays.
@@ -116,6 +146,47 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """
     threshold = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+@dataclass(frozen=True, slots=True)
+class SampledRows:
+    """One step's sampling, still on the device: what ``StepOutput`` is read from.
+
+    ``token_ids`` (rows,) int64. With logprobs: ``logprob_rows`` (host list)
+    are the rows that asked, ``num_top[j]`` how many alternatives row
+    ``logprob_rows[j]`` wants; ``chosen`` (len(logprob_rows),) float32, and
+    ``top_values`` / ``top_ids`` (len(logprob_rows), max(num_top)).
+    """
+
+    token_ids: torch.Tensor
+    logprob_rows: list[int] = field(default_factory=list)
+    num_top: list[int] = field(default_factory=list)
+    chosen: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host must read, in the order ``output`` takes it."""
+        if self.chosen is None or self.top_values is None or self.top_ids is None:
+            return [self.token_ids]
+        return [self.token_ids, self.chosen, self.top_values, self.top_ids]
+
+    def output(self, host: list[torch.Tensor]) -> StepOutput:
+        """The ``StepOutput`` from ``host``: CPU copies of ``tensors()`` (``device_copy.to_host``)."""
+        ids: list[int] = host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(ids)
+        if len(host) > 1:
+            chosen: list[float] = host[1].tolist()
+            top_values: list[list[float]] = host[2].tolist()
+            top_ids: list[list[int]] = host[3].tolist()
+            for j, (i, n) in enumerate(zip(self.logprob_rows, self.num_top, strict=True)):
+                logprobs[i] = TokenLogprobs(
+                    token_id=ids[i],
+                    logprob=chosen[j],
+                    top_token_ids=top_ids[j][:n],
+                    top_logprobs=top_values[j][:n],
+                )
+        return StepOutput(token_ids=ids, logprobs=logprobs)
 
 
 class Sampler:
@@ -157,23 +228,39 @@ class Sampler:
         output_token_ids: list[list[int] | None],
         token_masks: TokenMasks | None = None,
     ) -> StepOutput:
+        """``sample_on_device``, then its one read (``device_copy.to_host``)."""
+        rows = self.sample_on_device(
+            logits, params, num_output_tokens, prompt_token_ids, output_token_ids, token_masks
+        )
+        return rows.output(device_copy.to_host(rows.tensors()))
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        num_output_tokens: list[int],
+        prompt_token_ids: list[list[int] | None],
+        output_token_ids: list[list[int] | None],
+        token_masks: TokenMasks | None = None,
+    ) -> SampledRows:
         """Sample one token per row of ``logits`` (N, vocab); lists are aligned with rows.
 
-        Token histories are needed (non-None) exactly for rows whose
-        ``params.needs_penalties``. ``token_masks`` (structured output) rule
-        tokens out before anything else, so logprobs are those of the
-        constrained distribution.
+        Nothing here reads a tensor on the host (on CUDA, nothing waits for
+        the device); ``SampledRows.output`` turns the read into a
+        ``StepOutput``. Token histories are needed (non-None) exactly for
+        rows whose ``params.needs_penalties``. ``token_masks`` (structured
+        output) rule tokens out before anything else, so logprobs are those
+        of the constrained distribution.
         """
         num_rows = logits.shape[0]
         assert len(params) == num_rows, (len(params), num_rows)
         if num_rows == 0:
-            return StepOutput(token_ids=[], logprobs=[])
+            return SampledRows(torch.empty(0, dtype=torch.long, device=logits.device))
         if token_masks is not None:
             logits = apply_token_masks(logits, token_masks)
         if _all_plain_greedy(params):
             # max().indices is faster than argmax() on CPU (docs/design_costs.md); same tie rule.
-            greedy_ids: list[int] = logits.max(dim=-1).indices.tolist()
-            return StepOutput(token_ids=greedy_ids, logprobs=[None] * num_rows)
+            return SampledRows(logits.max(dim=-1).indices)
 
         vocab, device = logits.shape[1], logits.device
         raw_logits, logits = logits, logits.float()
@@ -182,7 +269,7 @@ class Sampler:
             prompts = [h for i in penalty_rows if (h := prompt_token_ids[i]) is not None]
             outputs = [h for i in penalty_rows if (h := output_token_ids[i]) is not None]
             assert len(prompts) == len(outputs) == len(penalty_rows), "penalties need histories"
-            index = torch.tensor(penalty_rows, device=device)
+            index = as_device_tensor(penalty_rows, torch.long, device)
             penalty_params = [params[i] for i in penalty_rows]
             penalised = apply_penalties(logits[index], penalty_params, prompts, outputs)
             logits = logits.index_copy(0, index, penalised)
@@ -197,29 +284,19 @@ class Sampler:
             token_ids = logits.max(dim=-1).indices
             if sample_rows:
                 sampled = self._draw(logits, params, sample_rows, num_output_tokens)
-                token_ids[torch.tensor(sample_rows, device=device)] = sampled
-        ids: list[int] = token_ids.tolist()
+                token_ids[as_device_tensor(sample_rows, torch.long, device)] = sampled
 
-        logprobs: list[TokenLogprobs | None] = [None] * num_rows
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if logprob_rows:
-            index = torch.tensor(logprob_rows, device=device)
-            # Raw logprobs (vLLM's default): the model's distribution before
-            # penalties, temperature and filtering.
-            raw = raw_logits[index].float().log_softmax(dim=-1)
-            chosen = raw.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
-            num_top = min(max(params[i].logprobs or 0 for i in logprob_rows), vocab)
-            top_values, top_ids = raw.topk(num_top, dim=-1)
-            top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-            for j, i in enumerate(logprob_rows):
-                n = params[i].logprobs or 0
-                logprobs[i] = TokenLogprobs(
-                    token_id=ids[i],
-                    logprob=chosen[j],
-                    top_token_ids=top_ids_list[j][:n],
-                    top_logprobs=top_values_list[j][:n],
-                )
-        return StepOutput(token_ids=ids, logprobs=logprobs)
+        if not logprob_rows:
+            return SampledRows(token_ids)
+        index = as_device_tensor(logprob_rows, torch.long, device)
+        # Raw logprobs (vLLM's default): the model's distribution before
+        # penalties, temperature and filtering.
+        raw = raw_logits[index].float().log_softmax(dim=-1)
+        chosen = raw.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
+        num_top = [min(params[i].logprobs or 0, vocab) for i in logprob_rows]
+        top_values, top_ids = raw.topk(max(num_top), dim=-1)
+        return SampledRows(token_ids, logprob_rows, num_top, chosen, top_values, top_ids)
 
     def _draw(
         self,
@@ -232,18 +309,16 @@ class Sampler:
         num_rows, vocab = logits.shape
         device = logits.device
         row_params = [params[i] for i in rows]
-        x = logits if len(rows) == num_rows else logits[torch.tensor(rows, device=device)]
-        temperature = torch.tensor([p.temperature for p in row_params], device=device)
+        x = logits if len(rows) == num_rows else logits[as_device_tensor(rows, torch.long, device)]
+        temperature = as_device_tensor([p.temperature for p in row_params], torch.float32, device)
         x = x / temperature.unsqueeze(1)
 
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in row_params]
         top_p = [p.top_p for p in row_params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            x = apply_top_k_top_p(
-                x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
-            )
+            x = apply_top_k_top_p(x, top_k, top_p)
         if any(p.min_p > 0.0 for p in row_params):
-            x = apply_min_p(x, torch.tensor([p.min_p for p in row_params], device=device))
+            x = apply_min_p(x, as_device_tensor([p.min_p for p in row_params], torch.float32, device))
         probs = x.softmax(dim=-1)
 
         # Exp(1) noise as -log(U): uniform draws are several times cheaper

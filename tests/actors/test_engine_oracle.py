@@ -1,4 +1,11 @@
-"""The engine against Hugging Face transformers, token for token, in every scheduling mode."""
+"""The engine against Hugging Face transformers, token for token, in every scheduling mode.
+
+Models: two seeded tiny checkpoints (Llama with GQA, Qwen2 with biases, MQA
+and tied embeddings) and the embedded ``tiny`` preset (``LLM("tiny")``'s
+weights). Every mode runs on each attention backend in ``BACKENDS``: the
+torch reference, and FlashInfer's backend under the tests' CPU emulator of
+its kernels.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from actors.load.embedded import build_tokenizer
 from apps.llm import LLM
+from kvcache.attention.flashinfer import FlashInferPagedAttention
+from kvcache.attention.torch_paged import TorchPagedAttention
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import (
     build_hf_model,
@@ -19,9 +29,11 @@ from tests.actors.checkpoints import (
     qwen2_config,
     write_checkpoint,
 )
+from tests.kvcache import flashinfer_emulator
 
 MAX_TOKENS = 12
 CONFIGS = {"llama_gqa": (llama_config, 0), "qwen2_bias_tied": (qwen2_config, 1)}
+EMBEDDED = "tiny"  # the embedded preset, beside the seeded CONFIGS
 
 MODES: dict[str, dict[str, Any]] = {
     "prefix_on": {},
@@ -29,6 +41,12 @@ MODES: dict[str, dict[str, Any]] = {
     "chunked_small_budget": {"max_num_batched_tokens": 16, "max_num_seqs": 16},
     "preemption": {"num_kv_pages": 40, "page_size": 4},
     "batch_1": {"max_num_seqs": 1},
+}
+
+# The attention backends every mode runs on, as EngineConfig overrides.
+BACKENDS: dict[str, dict[str, object]] = {
+    "torch": {},
+    "flashinfer_emulator": {"attention_backend": "flashinfer", "attention_kernels": flashinfer_emulator},
 }
 
 
@@ -47,12 +65,16 @@ PROMPTS = _prompts()
 assert sum(len(p) > 16 for p in PROMPTS) >= 8
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=[*CONFIGS, EMBEDDED])
 def model_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], Any]:
-    make_config, seed = CONFIGS[request.param]
-    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), make_config(), seed=seed)
-    build_tokenizer().save_pretrained(folder)
-    hf = build_hf_model(make_config(), seed)
+    if request.param == EMBEDDED:
+        folder = request.getfixturevalue("tiny_dir")
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    else:
+        make_config, seed = CONFIGS[request.param]
+        folder = write_checkpoint(tmp_path_factory.mktemp(request.param), make_config(), seed=seed)
+        build_tokenizer().save_pretrained(folder)
+        hf = build_hf_model(make_config(), seed)
     expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     return folder, expected, hf
 
@@ -64,7 +86,14 @@ def _engine(folder: Path, **overrides: Any) -> LLM:
     return LLM(str(folder), **kw)
 
 
-def _assert_pool_clean(llm: LLM) -> None:
+def assert_backend(llm: LLM, backend: str) -> None:
+    """The engine attends with the backend ``backend`` names (nothing fell back to another)."""
+    want = FlashInferPagedAttention if backend == "flashinfer_emulator" else TorchPagedAttention
+    assert type(llm.engine.executor.runner.attn) is want  # type: ignore[attr-defined]
+
+
+def assert_pool_clean(llm: LLM) -> None:
+    """Every KV page is free once the prefix cache lets go of its (unlocked) pages."""
     sched = llm.engine.scheduler
     alloc = sched.allocator
     alloc.check_integrity()
@@ -76,10 +105,12 @@ def _assert_pool_clean(llm: LLM) -> None:
     assert alloc.num_free_pages == alloc.num_pages
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_matches_hf(model_case: tuple[Path, list[list[int]], Any], mode: str) -> None:
+def test_greedy_matches_hf(model_case: tuple[Path, list[list[int]], Any], mode: str, backend: str) -> None:
     folder, expected, _ = model_case
-    llm = _engine(folder, **MODES[mode])
+    llm = _engine(folder, **MODES[mode], **BACKENDS[backend])
+    assert_backend(llm, backend)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
@@ -92,7 +123,7 @@ def test_greedy_matches_hf(model_case: tuple[Path, list[list[int]], Any], mode: 
         again = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == expected
         assert sum(o.num_cached_tokens for o in again) > 0
-    _assert_pool_clean(llm)
+    assert_pool_clean(llm)
 
 
 def test_first_token_top20_logprobs_match_hf(model_case: tuple[Path, list[list[int]], Any]) -> None:
@@ -108,4 +139,4 @@ def test_first_token_top20_logprobs_match_hf(model_case: tuple[Path, list[list[i
         assert lp[0].top_token_ids == top.indices.tolist()
         assert torch.allclose(torch.tensor(lp[0].top_logprobs), top.values, atol=1e-4)
         assert abs(lp[0].logprob - float(ref[out.outputs[0].token_ids[0]])) < 1e-4
-    _assert_pool_clean(llm)
+    assert_pool_clean(llm)

@@ -5,7 +5,8 @@ dequantization, name mapping and Q/K un-permutation), so this checks the
 converter and the engine at once: greedy tokens equal and every step's top-20
 logprobs within 1e-4 in float32, in every scheduling mode of the tiny-model
 oracle (prefix cache on/off, chunked prefill, a tight pool with preemption,
-batch 1 and 16).
+batch 1 and 16), on each of its attention backends (torch, and FlashInfer's
+under the CPU emulator).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from actors.load.loader import load_tokenizer
 from actors.load.presets import preset_gguf_path
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
-from tests.actors.test_engine_oracle import MODES
+from tests.actors.test_engine_oracle import BACKENDS, MODES, assert_backend, assert_pool_clean
 
 MAX_TOKENS = 12
 INSTRUCTIONS = [
@@ -84,13 +85,15 @@ def _assert_top20_close(got_ids: list[int], got_values: list[float], ref: torch.
     assert float(rest.max()) <= min(got_values) + TOLERANCE  # nothing better was left out
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_and_logprobs_match_transformers(smollm2_dir: Path, oracle: Any, mode: str) -> None:
+def test_greedy_and_logprobs_match_transformers(smollm2_dir: Path, oracle: Any, mode: str, backend: str) -> None:
     prompts, expected, ref_logprobs = oracle
-    overrides = dict(MODES[mode])
+    overrides = {**MODES[mode], **BACKENDS[backend]}
     if mode == "preemption":
         overrides["num_kv_pages"] = 120  # page_size 4: about 8 sequences' worth for 16
     llm = _engine(smollm2_dir, **overrides)
+    assert_backend(llm, backend)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -100,9 +103,8 @@ def test_greedy_and_logprobs_match_transformers(smollm2_dir: Path, oracle: Any, 
         for token, step, ref_step in zip(out.outputs[0].token_ids, steps, ref, strict=True):
             _assert_top20_close(step.top_token_ids, step.top_logprobs, ref_step)
             assert abs(step.logprob - float(ref_step[token])) < TOLERANCE
-    sched = llm.engine.scheduler
     if mode == "preemption":
-        assert sched.stats.num_preemptions > 0
+        assert llm.engine.scheduler.stats.num_preemptions > 0
     if mode == "prefix_on":
         # A second pass finds the prompts (every chat prompt starts with the template's
         # system turn) in the cache and still gives the same tokens.
@@ -110,7 +112,4 @@ def test_greedy_and_logprobs_match_transformers(smollm2_dir: Path, oracle: Any, 
                              use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == expected
         assert sum(o.num_cached_tokens for o in again) > 0
-    if sched.cache is not None:
-        assert sched.cache.num_locked_pages == 0
-        sched.cache.reset()
-    assert sched.allocator.num_free_pages == sched.allocator.num_pages
+    assert_pool_clean(llm)

@@ -18,11 +18,13 @@ from actors.load.loader import load_model
 from actors.log import get_logger
 from actors.models.layers import ParallelLinear
 from actors.runner.draft_runner import DraftRunner
-from actors.runner.sampler import Sampler
+from actors.runner.sampler import SampledRows, Sampler
 from actors.runner.spec_verify import count_accepted, expand_sampling, sample_rows
+from kvcache import device_copy
 from kvcache.attention.backend import AttentionBackend, StepLayout
 from kvcache.attention.flashinfer import FlashInferPagedAttention, load_flashinfer
 from kvcache.attention.torch_paged import TorchPagedAttention
+from kvcache.device_copy import as_device_tensor
 from kvcache.kv_pool import (
     KVCapacity,
     KVPool,
@@ -198,18 +200,16 @@ class ModelRunner:
         forward (this rank's payload of each); after it, the pages each
         ``batch.kv_exports`` entry names are read back into
         ``StepOutput.kv_exports`` on every rank (rank r's pool holds its share
-        of the heads). Only the target model's pool moves: a draft model's own
-        pool (``speculative_config`` with a draft model) would get nothing, so
+        of the heads), in the same read as the sampled tokens. Only the
+        target model's pool moves: a draft model's own pool
+        (``speculative_config`` with a draft model) would get nothing, so
         the engine refuses prefilled requests there
         (``actors.engine.disaggregation.check_decode_drafting``); a self-draft shares the
         target's pages and sees them.
         """
         if batch.kv_imports:
             self._import_kv(batch.kv_imports)
-        out = self._run(batch)
-        if batch.kv_exports:
-            out = replace(out, kv_exports=[self.pool.read_pages(pages) for _, pages in batch.kv_exports])
-        return out
+        return self._run(batch)
 
     def _import_kv(self, imports: list[tuple[list[int], RankPayloads]]) -> None:
         """Write this rank's payload of each import into its pages."""
@@ -223,41 +223,62 @@ class ModelRunner:
             self.pool.write_pages(pages, payloads[self.rank])
 
     def _run(self, batch: Batch) -> StepOutput:
-        """The forward, sampling and drafting of ``execute`` (in its inference mode)."""
+        """The forward, sampling, KV export and drafting of ``execute`` (in its inference mode).
+
+        Everything up to the read of the sampled rows and the exported pages
+        is queued without waiting for the device; that read
+        (``device_copy.to_host``) is the step's one wait (drafting, after it,
+        waits again: ``DraftRunner.propose``).
+        """
         dev = self.device
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        input_ids = as_device_tensor(batch.input_ids, torch.long, dev)
+        positions = as_device_tensor(batch.positions, torch.long, dev)
         layout = StepLayout(batch.query_lens, batch.context_lens, batch.page_tables)
         self.attn.plan(layout)
         hidden = self.model(input_ids, positions, self.attn)
         if self.drafter is not None:
             self.drafter.catch_up(input_ids, positions, layout)
-        if not batch.sample_indices:
-            return StepOutput([], [])
-        if batch.is_decode_only and len(batch.sample_indices) == batch.num_seqs:
-            rows = hidden
-        else:
-            rows = hidden[torch.tensor(sample_rows(batch), device=dev)]
-        # Every rank computes logits: the vocab-parallel head all-gathers them.
-        logits = self.model.compute_logits(rows)
+        sampled: SampledRows | None = None
+        if batch.sample_indices:
+            if batch.is_decode_only and len(batch.sample_indices) == batch.num_seqs:
+                rows = hidden
+            else:
+                rows = hidden[as_device_tensor(sample_rows(batch), torch.long, dev)]
+            # Every rank computes logits: the vocab-parallel head all-gathers them.
+            logits = self.model.compute_logits(rows)
+            if self.rank == 0:
+                # Only rank 0 samples (its tokens are the step's answer); sampling
+                # on every rank would only burn time and advance seeded generators.
+                sampled = self._sample(batch, logits)
+        # Every rank exports its own share of the heads of each page.
+        exports = [self.pool.gather_pages(pages) for _, pages in batch.kv_exports or []]
+        reads = ([] if sampled is None else sampled.tensors()) + [t for g in exports for t in g]
+        host = device_copy.to_host(reads) if reads else []
         out = StepOutput([], [])
-        if self.rank == 0:
-            # Only rank 0 samples (its tokens are the step's answer); sampling
-            # on every rank would only burn time and advance seeded generators.
-            out = self._sample(batch, logits)
-        if batch.num_propose is None:
+        if sampled is not None:
+            num_sampled = len(sampled.tensors())
+            out = sampled.output(host[:num_sampled])
+            host = host[num_sampled:]
+            if batch.draft_token_ids is not None:
+                out = replace(out, num_accepted=count_accepted(out.token_ids, batch.draft_token_ids))
+        if batch.kv_exports:
+            payloads = []
+            for gathered in exports:
+                payloads.append(self.pool.payload(host[: len(gathered)]))
+                host = host[len(gathered):]
+            out = replace(out, kv_exports=payloads)
+        if batch.num_propose is None or not batch.sample_indices:
             return out
         return self._propose(batch, out)
 
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> StepOutput:
-        """One token per sampled row; with drafts, also how many of each sequence's drafts are kept."""
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> SampledRows:
+        """One token per sampled row, on the device (with drafts: a row per drafted position too)."""
         if batch.draft_token_ids is None:
-            return self.sampler.sample(
+            return self.sampler.sample_on_device(
                 logits, batch.sampling_params, batch.num_output_tokens,
                 batch.prompt_token_ids, batch.output_token_ids, batch.token_masks,
             )
-        out = self.sampler.sample(logits, *expand_sampling(batch), batch.token_masks)
-        return replace(out, num_accepted=count_accepted(out.token_ids, batch.draft_token_ids))
+        return self.sampler.sample_on_device(logits, *expand_sampling(batch), batch.token_masks)
 
     def _propose(self, batch: Batch, out: StepOutput) -> StepOutput:
         """Drafts for each sampled sequence's next step, from its new last token (``batch.num_propose``)."""

@@ -395,24 +395,39 @@ def pages_all_free(engine: LLMEngine) -> tuple[bool, str]:
     return ok, f"{free} free + {evictable} cached of {sched.allocator.num_pages}, {locked} locked"
 
 
+def prefill_budget(plan: Plan) -> int:
+    """Tokens per engine step: a few whole prompts per prefill step."""
+    return max(2048, 8 * plan.context)
+
+
+def decode_room(plan: Plan, batch: int) -> int:
+    """Tokens a sequence may sample: the prefill of the whole batch (sequences that finish theirs
+    first decode beside the later ones, one token per step), the warm-up and the timed steps."""
+    prefill_steps = math.ceil(batch * plan.context / prefill_budget(plan))
+    return 2 * prefill_steps + plan.warmup_steps + plan.decode_steps + 8
+
+
 def engine_decode(llm: LLM, shape: Shape, plan: Plan, batch: int, graphs: bool, rng: random.Random) -> Entry:
     """Prefill ``batch`` prompts of ``plan.context`` tokens, then time decode steps of the whole batch."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=plan.warmup_steps + plan.decode_steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_room(plan, batch), temperature=0.0, ignore_eos=True)
     rids = [f"bench-{batch}-{i}" for i in range(batch)]
     for rid in rids:
         prompt = [rng.randrange(3, shape.vocab) for _ in range(plan.context)]
         engine.add_request(rid, prompt, params, prompt_token_ids=prompt)
     try:
-        started: set[str] = set()
+        generated = dict.fromkeys(rids, 0)
         prefill_steps = 0
-        while len(started) < batch:  # prefill (chunked as the engine likes) until every sequence decodes
-            started.update(d.request_id for d in engine.step() if d.token_ids)
+        while not all(generated.values()):  # prefill (chunked as the engine likes) until every sequence decodes
+            for d in engine.step():
+                generated[d.request_id] += len(d.token_ids)
             prefill_steps += 1
             if prefill_steps > batch * plan.context:  # more steps than prompt tokens: the engine is stuck
-                raise RuntimeError(f"{batch - len(started)} of {batch} prompts never finished their prefill")
+                stuck = sum(1 for n in generated.values() if n == 0)
+                raise RuntimeError(f"{stuck} of {batch} prompts never finished their prefill")
         for _ in range(plan.warmup_steps):
-            engine.step()
+            for d in engine.step():
+                generated[d.request_id] += len(d.token_ids)
         sync(plan.device)
         start = time.perf_counter()
         for _ in range(plan.decode_steps):
@@ -427,8 +442,10 @@ def engine_decode(llm: LLM, shape: Shape, plan: Plan, batch: int, graphs: bool, 
     free, detail = pages_all_free(engine)
     if not free:
         raise RuntimeError(f"pages still held after aborting the batch: {detail}")
-    # The first timed step attends over context + warmup + 1 keys, the last over context + warmup + steps.
-    mean_context = plan.context + plan.warmup_steps + (plan.decode_steps + 1) / 2
+    # A sequence with g tokens sampled feeds the last one, attending over context + g keys; sequences
+    # that finished their prefill early have sampled more (their decodes ran beside later prefills).
+    mean_generated = sum(generated.values()) / batch
+    mean_context = plan.context + mean_generated + (plan.decode_steps - 1) / 2
     return measured(shape, batch, plan.context, graphs, plan.decode_steps, seconds, mean_context)
 
 
@@ -471,11 +488,11 @@ def hf_decode(model: LlamaForCausalLM, shape: Shape, plan: Plan, batch: int, rng
 
 
 def engine_for(folder: Path, plan: Plan, graphs: bool, max_batch: int) -> LLM:
-    max_len = plan.context + plan.warmup_steps + plan.decode_steps + 8
+    max_len = plan.context + decode_room(plan, max_batch)
     pages = max_batch * math.ceil(max_len / PAGE_SIZE) + 64
     graph_kwargs: dict[str, object] = {"cuda_graphs": graphs} if HAS_CUDA_GRAPHS else {}
     return LLM(str(folder), dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(8, max_batch),
-               max_num_batched_tokens=max(2048, 8 * plan.context), num_kv_pages=pages, page_size=PAGE_SIZE,
+               max_num_batched_tokens=prefill_budget(plan), num_kv_pages=pages, page_size=PAGE_SIZE,
                **plan.engine_kwargs, **graph_kwargs)  # fmt: skip
 
 

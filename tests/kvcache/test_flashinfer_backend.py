@@ -204,6 +204,11 @@ def _check(pair: Pair, request: pytest.FixtureRequest) -> None:
     print(f"{request.node.name}: max |flashinfer - torch| = {pair.worst:.3g}")
     assert pair.worst <= TOLERANCE[pair.dtype], pair.worst
     pair.assert_same_pages()
+
+
+def _check_emulated(pair: Pair, request: pytest.FixtureRequest) -> None:
+    """``_check``, and the wrappers' construction as the emulator recorded it."""
+    _check(pair, request)
     heads = pair.heads
     assert pair.fi.decode.use_tensor_cores == (heads[0] // heads[1] >= 4)  # type: ignore[attr-defined]
     assert pair.fi.prefill.float_workspace_buffer is pair.fi.decode.float_workspace_buffer  # type: ignore[attr-defined]
@@ -214,7 +219,7 @@ def _check(pair: Pair, request: pytest.FixtureRequest) -> None:
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 def test_matches_torch_paged_attention(heads: tuple[int, int], page_size: int, dtype: torch.dtype,
                                        request: pytest.FixtureRequest) -> None:  # fmt: skip
-    _check(Pair(heads, page_size, dtype, seed=page_size + heads[0] * 7 + heads[1]), request)
+    _check_emulated(Pair(heads, page_size, dtype, seed=page_size + heads[0] * 7 + heads[1]), request)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -223,7 +228,7 @@ def test_matches_torch_paged_attention(heads: tuple[int, int], page_size: int, d
 def test_fp8_pages_match_their_dequantized_reference(heads: tuple[int, int], page_size: int, dtype: torch.dtype,
                                                      request: pytest.FixtureRequest) -> None:  # fmt: skip
     pair = Pair(heads, page_size, dtype, seed=3 * page_size + heads[1], kv_dtype="fp8_e4m3")
-    _check(pair, request)
+    _check_emulated(pair, request)
     assert pair.fi_pool.k_caches[0].dtype == torch.float8_e4m3fn
 
 
@@ -280,9 +285,11 @@ def test_injected_kernels_make_the_runner_build_the_flashinfer_backend() -> None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and flashinfer_installed()), reason="needs CUDA and flashinfer")
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa4", "mqa"])
-def test_real_flashinfer_matches_torch_paged_attention_on_cuda(heads: tuple[int, int]) -> None:
+def test_real_flashinfer_matches_torch_paged_attention_on_cuda(heads: tuple[int, int], kv_dtype: str,
+                                                               request: pytest.FixtureRequest) -> None:  # fmt: skip
     # head_dim 128: a size every FlashInfer build has kernels for.
-    pair = Pair(heads, 16, torch.bfloat16, seed=1, kernels=load_flashinfer(), device="cuda", head_dim=128)
-    pair.run_workload()
-    assert pair.worst <= TOLERANCE[torch.bfloat16], pair.worst
+    pair = Pair(heads, 16, torch.bfloat16, seed=1, kernels=load_flashinfer(), device="cuda", head_dim=128,
+                kv_dtype=kv_dtype)  # fmt: skip
+    _check(pair, request)

@@ -159,6 +159,9 @@ setup() {
 SITE="${TMPDIR:-/tmp}/flotilla-gpu-site"
 if [[ "$DRY_RUN" == 1 ]]; then
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  # The native CPU kernels (kvcache/csrc) off: a CUDA device never runs them, and a fresh checkout
+  # would otherwise compile them inside a phase's time box. The torch path runs, as on CUDA.
+  export FLOTILLA_CPU_KERNELS=0
 else
   # The repo first (flotilla is not installed there), then the wheels, then the image's packages.
   export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"

@@ -602,11 +602,12 @@ def attention_diff(plan: Plan, heads: int, kv_heads: int, head_dim: int, seed: i
 
 def run_correctness(plan: Plan, models: Models, box: TimeBox, report: Report) -> None:
     kernels_name = "the FlashInfer emulator" if plan.dry_run else "FlashInfer"
-    # 1. Attention: FlashInfer vs the torch backend on the gpu test's randomized steps.
+    # 1. Attention: FlashInfer vs the torch backend on randomized steps like the gpu test's.
     worst = 0.0
     try:
         for i, (heads, kv_heads, head_dim) in enumerate(plan.attention_heads):
-            log(f"attention {kernels_name} vs torch, bf16, {heads}q/{kv_heads}kv x {head_dim} (first use compiles)")
+            compiles = "" if plan.dry_run else " (FlashInfer's JIT compiles a head size on first use)"
+            log(f"attention {kernels_name} vs torch, bf16, {heads}q/{kv_heads}kv x {head_dim}{compiles}")
             worst = max(worst, attention_diff(plan, heads, kv_heads, head_dim, seed=i))
         report.correctness("attention_max_abs_diff_bf16", worst)
         log(f"attention max abs diff (bf16): {worst:.3g}")
@@ -654,11 +655,16 @@ def run_correctness(plan: Plan, models: Models, box: TimeBox, report: Report) ->
         for rid in rids:
             prompt = [rng.randrange(3, 256) for _ in range(rng.randint(10, 100))]
             engine.add_request(rid, prompt, params, prompt_token_ids=prompt)
+        decoding: set[str] = set()
         for _ in range(6):  # a 32-token budget: some sequences decode, others are still mid-prefill
-            engine.step()
+            decoding.update(d.request_id for d in engine.step() if d.token_ids)
+        if not 0 < len(decoding) < len(rids):
+            raise RuntimeError(f"{len(decoding)} of {len(rids)} sequences decoding when aborted: "
+                               "the check needs some mid-prefill and some mid-decode")  # fmt: skip
         for rid in rids:
             engine.abort(rid)
         free, detail = pages_all_free(engine)
+        detail += f" after aborting {len(decoding)} decoding and {len(rids) - len(decoding)} mid-prefill"
         report.correctness("pages_free_after_abort", free, None if free else detail)
         log(f"pages after abort: {detail}")
         report.correctness("host_syncs_per_decode_step", *count_syncs(engine, plan))

@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 
 from actors.models.llama import LlamaForCausalLM
+from kvcache import device_copy
 from kvcache.attention.backend import AttentionBackend, StepLayout
+from kvcache.device_copy import as_device_tensor
 
 
 class DraftRunner:
@@ -58,19 +60,26 @@ class DraftRunner:
         forwards write positions ``positions[i] .. positions[i] + m - 1``).
         """
         device = next(self.model.parameters()).device
-        drafts: list[list[int]] = [[] for _ in counts]
         active = [i for i, m in enumerate(counts) if m > 0]
-        tokens = {i: last_tokens[i] for i in active}
+        # Each forward's picks feed the next one on the device; the host reads
+        # every step's picks once, at the end (``kvcache.device_copy``).
+        ids = as_device_tensor([last_tokens[i] for i in active], torch.long, device)
+        picked: list[tuple[list[int], torch.Tensor]] = []  # (sequences, their picks) per forward
         step = 0
         while active:
-            ids = torch.tensor([tokens[i] for i in active], dtype=torch.long, device=device)
             pos = [positions[i] + step for i in active]
             self.attn.plan(StepLayout([1] * len(active), [p + 1 for p in pos], [page_tables[i] for i in active]))
-            hidden = self.model(ids, torch.tensor(pos, dtype=torch.long, device=device), self.attn, self.num_layers)
-            picks: list[int] = self.model.compute_logits(hidden).max(dim=-1).indices.tolist()
-            for i, token in zip(active, picks, strict=True):
-                drafts[i].append(token)
-                tokens[i] = token
+            hidden = self.model(ids, as_device_tensor(pos, torch.long, device), self.attn, self.num_layers)
+            picks = self.model.compute_logits(hidden).max(dim=-1).indices
+            picked.append((active, picks))
             step += 1
-            active = [i for i in active if counts[i] > step]
+            going = [j for j, i in enumerate(active) if counts[i] > step]
+            ids = picks if len(going) == len(active) else picks[as_device_tensor(going, torch.long, device)]
+            active = [active[j] for j in going]
+        drafts: list[list[int]] = [[] for _ in counts]
+        host = device_copy.to_host([picks for _, picks in picked]) if picked else []
+        for (seqs, _), values in zip(picked, host, strict=True):
+            tokens: list[int] = values.tolist()
+            for i, token in zip(seqs, tokens, strict=True):
+                drafts[i].append(token)
         return drafts

@@ -4,7 +4,8 @@ On the CPU, ``HostSyncCounter`` (``tests/actors/sync_guard.py``) counts the
 calls in ``ModelRunner.execute`` that would make the host wait for a CUDA
 device, for every kind of step on the embedded ``tiny`` model. The runner
 takes the torch attention path a CUDA device takes (the native CPU decode
-kernel off). On CUDA, the ``gpu`` test runs the same steps under
+kernel off). A step that drafts (``DraftRunner.propose``) waits once more,
+for all its drafts. On CUDA, the ``gpu`` test runs the same steps under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any
 synchronising call; the one allowed read waits on a CUDA event, which that
 mode does not flag (``kvcache.device_copy.to_host``).
@@ -15,7 +16,7 @@ mode does not flag (``kvcache.device_copy.to_host``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_transfer import KVPayload, RankPayloads
 from scheduling.batch import Batch, StepOutput, TokenMasks
 from scheduling.sampling_params import SamplingParams
+from scheduling.spec_config import SpeculativeConfig
 from tests.actors.sync_guard import HostSyncCounter
 
 PAGE = 16
@@ -159,14 +161,28 @@ class _Script:
         return self.results
 
 
-def make_runner(model: Path, device: str) -> ModelRunner:
+def _drafting_steps(
+    runner: ModelRunner, *, cuda_sync_errors: bool = False
+) -> list[tuple[str, HostSyncCounter, StepOutput]]:
+    """A prompt that proposes drafts, then a step verifying them that proposes the next ones."""
+    script = _Script(runner, cuda_sync_errors=cuda_sync_errors)
+    a = _Seq(_prompt(20, 3), [0, 1])
+    out = script.step("draft", replace(_batch(0, [(a, 20, True)]), num_propose=[3]), [a])
+    assert out.draft_token_ids is not None and len(out.draft_token_ids[0]) == 3
+    a.tokens += out.draft_token_ids[0]
+    verify = _batch(1, [(a, 4, True)], drafts=[out.draft_token_ids[0]])
+    script.step("draft", replace(verify, num_propose=[3]), [a])
+    return script.results
+
+
+def make_runner(model: Path, device: str, speculative_config: SpeculativeConfig | None = None) -> ModelRunner:
     """A runner on ``model`` with torch attention, taking the path a CUDA step takes (no CPU kernel)."""
     before = os.environ.get(cpu_kernels.ENV_SWITCH)
     os.environ[cpu_kernels.ENV_SWITCH] = "0"
     try:
         config = EngineConfig(model=str(model), device=device, dtype="float32", max_model_len=128,
                               max_num_seqs=4, max_num_batched_tokens=256, num_kv_pages=16, seed=0,
-                              attention_backend="torch")
+                              attention_backend="torch", speculative_config=speculative_config)
         return ModelRunner(config)
     finally:
         if before is None:
@@ -189,6 +205,7 @@ def count_step_syncs(model: Path, *, device_path: bool) -> list[tuple[str, HostS
         return _Script(runner).run()
 
 
+SELF_DRAFT = SpeculativeConfig(method="draft", num_speculative_tokens=3, layers=1)
 KINDS = {"prefill", "decode", "mixed", "sampled", "logprobs", "structured", "kv_export", "kv_import", "spec_verify"}
 # The CPU's own branch (a nucleus the sorted head cannot settle gets a full
 # sort, the rows found by reading the filter's result): what the sampled rows
@@ -241,6 +258,13 @@ def test_each_step_waits_once_at_its_end(tiny: Path) -> None:
     assert [o.num_accepted for k, _, o in on_cpu if k == "spec_verify"] != [None]
 
 
+def test_drafting_waits_once_more_for_its_drafts(tiny: Path) -> None:
+    """A step that proposes drafts reads its tokens (the drafts start after them), then all its drafts at once."""
+    runner = make_runner(tiny, "cpu", speculative_config=SELF_DRAFT)
+    for kind, counter, _ in _drafting_steps(runner):
+        assert counter.calls == [] and counter.allowed == 2, (kind, counter.calls, counter.allowed)
+
+
 def test_runner_takes_the_cuda_attention_path(tiny: Path) -> None:
     runner = make_runner(tiny, "cpu")
     assert isinstance(runner.attn, TorchPagedAttention) and not runner.attn.uses_cpu_kernel
@@ -255,6 +279,9 @@ def test_cuda_steps_raise_on_no_sync(tiny: Path) -> None:
     assert {kind for kind, _, _ in results} == KINDS
     for kind, counter, _ in results:
         assert counter.calls == [] and counter.allowed == 1, (kind, counter.calls, counter.allowed)
+    drafter = make_runner(tiny, "cuda", speculative_config=SELF_DRAFT)
+    for kind, counter, _ in _drafting_steps(drafter, cuda_sync_errors=True):
+        assert counter.calls == [] and counter.allowed == 2, (kind, counter.calls, counter.allowed)
 
 
 def main() -> None:
@@ -262,7 +289,9 @@ def main() -> None:
     model = ensure_embedded_model("tiny")
     for device_path in (False, True):
         print("sampler branches:", "CUDA's" if device_path else "the CPU's")
-        for kind, counter, _ in count_step_syncs(model, device_path=device_path):
+        results = count_step_syncs(model, device_path=device_path)
+        results += _drafting_steps(make_runner(model, "cpu", speculative_config=SELF_DRAFT))  # greedy drafts
+        for kind, counter, _ in results:
             names = ", ".join(counter.calls) or "-"
             print(f"  {kind:12s} waits {counter.count:3d} (allowed reads {counter.allowed}): {names}")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+
+from cli.bench.engine_options import engine_options
 
 
 class OfflineBench:
@@ -36,16 +37,8 @@ class OfflineBench:
     def run(self, args: argparse.Namespace) -> int:
         from cli.bench.offline.run import run  # import cost (cli.bench.registry)
 
-        engine: dict[str, Any] = {
-            "max_num_seqs": args.max_num_seqs,
-            "max_model_len": args.max_model_len,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "enable_prefix_caching": args.prefix_caching,
-        }
-        for name in ("num_kv_pages", "kv_cache_memory_fraction", "kv_cache_dtype", "quantization",
-                     "quantization_group_size", "dtype", "cpu_threads"):
-            if getattr(args, name) is not None:
-                engine[name] = getattr(args, name)
+        engine = engine_options(args, ("num_kv_pages", "kv_cache_memory_fraction", "kv_cache_dtype", "quantization",
+                                       "quantization_group_size", "dtype", "cpu_threads"))
         print(json.dumps(run(args.model, args.workload, progress=args.progress,
                              batch1_prompt_len=args.batch1_prompt_len, batch1_tokens=args.batch1_tokens,
                              **engine)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from cli.bench.engine_options import engine_options
+
 
 class RayOverheadBench:
     name = "ray-overhead"
@@ -28,13 +30,7 @@ class RayOverheadBench:
     def run(self, args: argparse.Namespace) -> int:
         from cli.bench.ray_overhead.run import run  # import cost (cli.bench.registry)
 
-        engine: dict[str, object] = {
-            "max_num_seqs": args.max_num_seqs,
-            "max_model_len": args.max_model_len,
-            "enable_prefix_caching": args.prefix_caching,
-        }
-        if args.num_kv_pages is not None:
-            engine["num_kv_pages"] = args.num_kv_pages
+        engine = engine_options(args, ("num_kv_pages",))
         print(json.dumps(run(args.model, args.workload, threads=args.threads, executor=args.executor,
                              runs=args.runs, **engine)))
         return 0

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
+from cli.bench.engine_options import engine_options
 from cli.bench.spec.workloads import write_workloads
 
 EXAMPLE_SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -46,15 +46,7 @@ class SpecBench:
     def run(self, args: argparse.Namespace) -> int:
         from cli.bench.spec.run import format_table, run  # import cost (cli.bench.registry)
 
-        engine: dict[str, Any] = {
-            "max_num_seqs": args.max_num_seqs,
-            "max_model_len": args.max_model_len,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "enable_prefix_caching": args.prefix_caching,
-        }
-        for name in ("num_kv_pages", "kv_cache_memory_fraction", "dtype", "cpu_threads"):
-            if getattr(args, name) is not None:
-                engine[name] = getattr(args, name)
+        engine = engine_options(args, ("num_kv_pages", "kv_cache_memory_fraction", "dtype", "cpu_threads"))
         result = run(args.model, args.workload, speculative_config=args.speculative_config, runs=args.runs,
                      progress=args.progress, **engine)
         print(json.dumps(result) if args.json else format_table(result))

@@ -186,8 +186,8 @@ if ((${#GPU_TEST_FILES[@]} == 0)); then
   say "gpu_tests: no test file holds a gpu-marked test"
   PHASE_ARGS+=(--phase "gpu_tests=failed:0")
 else
-  # --continue-on-collection-errors: a file that cannot be imported there (tests/actors/conftest.py
-  # imports Ray, which the device lacks) is an error in the report, and the other files still run.
+  # --continue-on-collection-errors: a file that cannot be imported there (one needing Ray, which
+  # the device lacks) is an error in the report, and the other files still run.
   run_phase gpu_tests "$BUDGET" "$OUT_DIR/gpu_tests.log" \
     "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs --continue-on-collection-errors \
     --junitxml "$OUT_DIR/gpu_tests.xml" "${GPU_TEST_FILES[@]}"

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from transformers import PretrainedConfig
 
@@ -80,6 +79,10 @@ def ray_cluster() -> Iterator[None]:
     Its workers import this checkout (PYTHONPATH), so a test may run its own helpers
     inside a live actor (``actor.__ray_call__``, as ``tests.actors.step_faults`` does).
     """
+    # Ray is imported here, not at the top: the device check (scripts/gpu_check.sh) runs this
+    # folder's gpu tests on a machine without Ray, and this conftest loads for every test here.
+    import ray
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
         mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))

@@ -13,7 +13,7 @@ left for, or that fails, is recorded as null with its reason; the report
 measurement, so a run killed from outside keeps what it had.
 
 1. ``correctness``: FlashInfer against the torch backend on randomized steps
-   like those of tests/kvcache/test_flashinfer_backend.py (mixed
+   of tests/kvcache/test_flashinfer_backend.py (``Pair.run_workload``: mixed
    prefill/decode, chunked, prefix hits) at both models' head shapes in bf16 (the first
    FlashInfer use: its JIT compiles here); the embedded ``tiny`` model's
    greedy tokens against HF transformers' in fp32 (torch backend: FlashInfer
@@ -76,17 +76,13 @@ from actors.config import EngineConfig
 from actors.engine.llm_engine import LLMEngine
 from actors.load.embedded import build_tokenizer, ensure_embedded_model
 from apps.llm import LLM
-from kvcache.attention.backend import StepLayout
 from kvcache.attention.flashinfer import (
-    WORKSPACE_BYTES,
     FlashInferKernels,
-    FlashInferPagedAttention,
     load_flashinfer,
 )
-from kvcache.attention.torch_paged import TorchPagedAttention
-from kvcache.kv_pool import KVPool
 from scheduling.sampling_params import SamplingParams
 from tests.kvcache import flashinfer_emulator
+from tests.kvcache.test_flashinfer_backend import Pair
 
 # Issue 40's reference machine: the H200's HBM bandwidth (its datasheet) and its bf16 matrix rate
 # (as measured on this workplace's H200s, KINDS.md). MBU and the roofline are against these.
@@ -519,84 +515,12 @@ def hf_greedy(model: LlamaForCausalLM, prompts: list[list[int]], tokens: int, de
     return out
 
 
-class AttentionPair:
-    """The FlashInfer backend and the torch backend over two pools holding the same pages."""
-
-    def __init__(self, plan: Plan, heads: int, kv_heads: int, head_dim: int, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.device, self.kv_shape = plan.device, (kv_heads, head_dim)
-        self.heads, self.num_layers = heads, 2
-        self.pools = [KVPool(num_layers=self.num_layers, num_pages=256, page_size=PAGE_SIZE, num_kv_heads=kv_heads,
-                             head_dim=head_dim, dtype=torch.bfloat16, device=plan.device) for _ in range(2)]  # fmt: skip
-        self.ref = TorchPagedAttention(self.pools[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
-        workspace = 1 << 12 if plan.dry_run else WORKSPACE_BYTES  # the emulator keeps no split-k partials
-        self.fi = FlashInferPagedAttention(self.pools[1], plan.kernels, num_heads=heads, num_kv_heads=kv_heads,
-                                           head_dim=head_dim, workspace_bytes=workspace)  # fmt: skip
-        self.free = list(range(256))
-        self.rng.shuffle(self.free)  # unordered, non-contiguous page tables
-        self.pages: dict[int, list[int]] = {}
-        self.lengths: dict[int, int] = {}
-        self.worst = 0.0
-
-    def randn(self, *dims: int) -> torch.Tensor:
-        return torch.randn(dims, generator=self.gen).to(torch.bfloat16).to(self.device)
-
-    def grow(self, seq: int, total: int) -> None:
-        pages = self.pages.setdefault(seq, [])
-        while len(pages) * PAGE_SIZE < total:
-            pages.append(self.free.pop())
-
-    def cached_prefix(self, seq: int, n: int) -> None:
-        """``n`` tokens of ``seq`` already in both pools, byte for byte (a prefix-cache hit)."""
-        self.grow(seq, n)
-        slots = torch.tensor([self.pages[seq][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(n)],
-                             device=self.device)  # fmt: skip
-        for layer in range(self.num_layers):
-            for caches in ("k_caches", "v_caches"):
-                values = self.randn(n, *self.kv_shape)
-                for pool in self.pools:
-                    getattr(pool, caches)[layer].view(-1, *self.kv_shape)[slots] = values
-        self.lengths[seq] = n
-
-    def step(self, work: list[tuple[int, int]]) -> None:
-        """One engine step of (sequence, new tokens): both backends on every layer, the worst difference kept."""
-        contexts = [self.lengths.get(s, 0) + n for s, n in work]
-        for (s, _), c in zip(work, contexts, strict=True):
-            self.grow(s, c)
-            self.lengths[s] = c
-        layout = StepLayout([n for _, n in work], contexts, [list(self.pages[s]) for s, _ in work])
-        self.ref.plan(layout)
-        self.fi.plan(layout)
-        tokens = sum(n for _, n in work)
-        for layer in range(self.num_layers):
-            q = self.randn(tokens, self.heads, self.kv_shape[1])
-            k, v = self.randn(tokens, *self.kv_shape), self.randn(tokens, *self.kv_shape)
-            want, got = self.ref.forward(layer, q, k, v), self.fi.forward(layer, q, k, v)
-            self.worst = max(self.worst, (got.float() - want.float()).abs().max().item())
-
-
 def attention_diff(plan: Plan, heads: int, kv_heads: int, head_dim: int, seed: int) -> float:
-    """Max abs difference, FlashInfer vs torch backend, over prefix hits, chunked prefill, mixed and decode steps."""
-    pair = AttentionPair(plan, heads, kv_heads, head_dim, seed)
-    prompts = {s: pair.rng.randint(1, 90) for s in range(6)}
-    for s in (1, 4):
-        pair.cached_prefix(s, pair.rng.randint(5, 40))
-    remaining = dict(prompts)
-    while any(remaining.values()):  # a 32-token budget: prompts in chunks, finished ones decoding beside them
-        budget, work = 32, []
-        for s in prompts:
-            if remaining[s] == 0:
-                work.append((s, 1))
-                budget -= 1
-            elif budget > 0:
-                n = min(remaining[s], budget)
-                remaining[s], budget = remaining[s] - n, budget - n
-                work.append((s, n))
-        pair.step(work)
-    for _ in range(3):
-        pair.step([(s, 1) for s in prompts])  # decode only
-    pair.step([(0, 1), (9, 40), (2, 1)])  # a new prompt among decodes
+    """Max abs difference, FlashInfer vs the torch backend in bf16, over the gpu test's own workload
+    (``Pair.run_workload``: prefix hits, chunked prefill, mixed and decode steps, a shared prefix)."""
+    pair = Pair((heads, kv_heads), PAGE_SIZE, torch.bfloat16, seed, kernels=plan.kernels,
+                device=str(plan.device), head_dim=head_dim)  # fmt: skip
+    pair.run_workload()
     return pair.worst
 
 

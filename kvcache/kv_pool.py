@@ -10,6 +10,13 @@ With a quantized ``kv_dtype`` (``int8``, ``fp8_e4m3``; see ``kv_dtypes`` and
 ``k_scales``/``v_scales`` hold one bfloat16 scale per token and kv head,
 ``(num_pages, page_size, num_kv_heads)``, beside them.
 
+With ``pad_page=True`` the tensors hold one page more than ``num_pages``: page
+``num_pages`` (``pad_page_id``) is a sink for the padding rows of a
+static-shape decode step (``AttentionBackend.plan_static_decode``, CUDA
+graphs), which must write their k/v and attend somewhere that no sequence
+owns. The allocator never hands it out and ``read_pages`` / ``write_pages``
+refuse it.
+
 ``read_pages`` / ``write_pages`` copy pages' contents out and in as a
 ``KVPayload`` (``kv_transfer``): prefill/decode disaggregation moves a
 prompt's KV between replicas that way.
@@ -68,9 +75,10 @@ class KVPool:
         num_pages, page_size, num_layers, num_kv_heads, head_dim, device.
         dtype: the model dtype (what attention computes in and returns).
         kv_dtype: ``auto``, ``int8`` or ``fp8_e4m3`` (canonical names).
+        pad_page_id: the padding sink page (``num_pages``) with ``pad_page=True``, else None.
         cache_dtype: what the pages store: ``dtype`` for ``auto``, else int8 / float8_e4m3fn.
         bytes_per_page: bytes of one page over all layers, k and v, scales included.
-        total_bytes: ``num_pages * bytes_per_page``.
+        total_bytes: ``num_pages * bytes_per_page`` (a pad page is not counted).
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         kv_dtype: str = "auto",
+        pad_page: bool = False,
     ) -> None:
         if num_pages < 1:
             raise CacheConfigError("num_kv_pages", f"must be >= 1, got {num_pages}")
@@ -103,7 +112,8 @@ class KVPool:
         self.device = torch.device(device)
         self.kv_dtype = canonical_kv_dtype(kv_dtype)
         self.cache_dtype = STORAGE_DTYPES.get(self.kv_dtype, dtype)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.pad_page_id: int | None = num_pages if pad_page else None
+        shape = (num_pages + int(pad_page), page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padding slots of a gather read pages nobody wrote,
         # and NaN garbage there would poison attention even under a mask in
         # some kernels (0 * NaN).

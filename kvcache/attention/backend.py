@@ -3,12 +3,23 @@
 A backend is planned once per engine step with that step's layout, then
 called once per layer. ``forward`` writes the step's new k/v into their pages
 and returns causal attention of each new query over its sequence's pages.
+
+Static-shape decode (the capture/replay hook of CUDA graphs,
+``actors.runner.decode_graphs``): ``enable_static_decode`` allocates index
+buffers for fixed batch sizes once; ``plan_static_decode`` then fills them
+for one decode-only step padded to one of those sizes, and ``forward`` runs
+over those buffers alone, so a graph captured over ``forward`` replays
+correctly for every later plan of its size. A backend that cannot
+(``supports_static_decode`` False) raises ``NotImplementedError``, and
+``EngineConfig`` refuses ``cuda_graphs`` with it by name first.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +42,8 @@ class StepLayout:
 class AttentionBackend(ABC):
     """Paged attention over a ``KVPool``; one instance per engine (shared by all layers)."""
 
+    supports_static_decode: ClassVar[bool] = False
+
     @abstractmethod
     def plan(self, layout: StepLayout) -> None:
         """Prepare index tensors for this step; called once before the layers run."""
@@ -44,3 +57,20 @@ class AttentionBackend(ABC):
         Shapes: ``q`` is (num_tokens, num_heads, head_dim); ``k`` and ``v`` are
         (num_tokens, num_kv_heads, head_dim). Returns (num_tokens, num_heads, head_dim).
         """
+
+    def enable_static_decode(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
+        """Allocate the static buffers of decode steps padded to ``batch_sizes``.
+
+        ``max_pages_per_seq`` bounds one sequence's page table. Padding rows
+        use the pool's pad page, so the pool needs one (``KVPool(pad_page=True)``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no static-shape decode")
+
+    def plan_static_decode(self, batch_size: int, layout: StepLayout) -> None:
+        """Plan a decode-only step into the static buffers of ``batch_size``.
+
+        ``layout`` has at most ``batch_size`` sequences, each with one query;
+        rows past them are padding: one token each on the pad page, whose
+        outputs the caller drops. ``forward`` then takes ``batch_size`` rows.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no static-shape decode")

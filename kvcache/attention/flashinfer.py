@@ -17,6 +17,15 @@ with ``non_blocking``; FlashInfer's ``plan`` reads its host copies, so no
 step input waits for the device. ``forward`` writes the step's k/v at their
 slots (as ``TorchPagedAttention`` does) and runs the planned wrapper.
 
+Static-shape decode (CUDA graphs; ``AttentionBackend.plan_static_decode``):
+one more decode wrapper per batch size, built with ``use_cuda_graph=True``
+over slices of one set of device buffers (``indptr``, ``indices``,
+``last_page_len``) and one static slot mapping. FlashInfer's ``plan`` of
+such a wrapper copies the step's arrays into those buffers, and its ``run``
+reads them from there, so a captured ``forward`` serves every later plan
+of the same size. Padding rows are one-token sequences on the pool's pad
+page (``KVPool.pad_page_id``): they write there and attend to that slot only.
+
 Every optional ``plan`` argument is passed by keyword: FlashInfer 0.6.0
 inserted ``o_data_type`` among the positional ones.
 
@@ -39,12 +48,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from kvcache.attention.backend import AttentionBackend, StepLayout
-from kvcache.attention.metadata import build_flashinfer_indices, build_slot_mapping, check_layout
+from kvcache.attention.metadata import (
+    build_flashinfer_indices,
+    build_slot_mapping,
+    check_layout,
+    num_pages_for,
+)
 from kvcache.errors import CacheConfigError
 from kvcache.kv_pool import KVPool
 from kvcache.kv_quant import QMAX
@@ -96,8 +111,11 @@ class PrefillWrapperClass(Protocol):
 
 class DecodeWrapperClass(Protocol):
     def __call__(
-        self, float_workspace_buffer: torch.Tensor, /, *, kv_layout: str, use_tensor_cores: bool
-    ) -> DecodeWrapper: ...
+        self, float_workspace_buffer: torch.Tensor, /, *, kv_layout: str, use_tensor_cores: bool,
+        use_cuda_graph: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+    ) -> DecodeWrapper: ...  # fmt: skip
 
 
 class FlashInferKernels(Protocol):
@@ -208,10 +226,15 @@ class FlashInferPagedAttention(AttentionBackend):
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         # FlashInfer asks for a zeroed workspace before its first use.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=pool.device)
+        self._kernels = kernels
         self.prefill = kernels.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
         self.decode = kernels.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_tensor_cores=self.group_size >= TENSOR_CORE_GROUP_SIZE
         )
+        # Static-shape decode, set up by enable_static_decode: one wrapper per batch size.
+        self.static_decode: dict[int, DecodeWrapper] = {}
+        self._static_slots: torch.Tensor | None = None
+        self._max_pages_per_seq = 0
         self._caches = list(zip(pool.k_caches, pool.v_caches, strict=True))
         # Flat (num_pages * page_size, kv_heads, head_dim) views for the
         # slot-indexed write; they share storage with the pool's tensors.
@@ -224,6 +247,8 @@ class FlashInferPagedAttention(AttentionBackend):
         self._num_tokens = 0
         self._slots: torch.Tensor | None = None
         self._wrapper: PrefillWrapper | DecodeWrapper | None = None
+
+    supports_static_decode = True
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (built on the host) in pinned memory on CUDA, so copies of it need not wait."""
@@ -240,22 +265,78 @@ class FlashInferPagedAttention(AttentionBackend):
             return
         idx = {name: self._host(t) for name, t in build_flashinfer_indices(layout, page_size).items()}
         self._slots = self._host(build_slot_mapping(layout, page_size)).to(self.pool.device, non_blocking=True)
+        if max(layout.query_lens) == 1:
+            self._plan_decode(self.decode, idx)
+            return
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         dtype, kv_dtype = self.pool.dtype, self.pool.cache_dtype
-        if max(layout.query_lens) == 1:
-            self.decode.plan(
-                idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
-                h, kvh, d, page_size, pos_encoding_mode="NONE", sm_scale=self.scale,
-                q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype, non_blocking=True,
-            )  # fmt: skip
-            self._wrapper = self.decode
-            return
         self.prefill.plan(
             idx["qo_indptr"], idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
             h, kvh, d, page_size, causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
             q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype, non_blocking=True,
         )  # fmt: skip
         self._wrapper = self.prefill
+
+    def _plan_decode(self, wrapper: DecodeWrapper, idx: dict[str, torch.Tensor]) -> None:
+        """Plan ``wrapper`` (the dynamic or a static decode wrapper) from host index arrays."""
+        dtype = self.pool.dtype
+        wrapper.plan(
+            idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
+            self.num_heads, self.num_kv_heads, self.head_dim, self.pool.page_size, pos_encoding_mode="NONE",
+            sm_scale=self.scale, q_data_type=dtype, kv_data_type=self.pool.cache_dtype, o_data_type=dtype,
+            non_blocking=True,
+        )  # fmt: skip
+        self._wrapper = wrapper
+
+    def enable_static_decode(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
+        """One ``use_cuda_graph`` decode wrapper per batch size, over slices of shared buffers.
+
+        The buffers can be shared because one step runs at a time: a plan for
+        one size overwrites what another size's graph would read, and a
+        graph is replayed only right after its own size's plan.
+        """
+        if self.pool.pad_page_id is None:
+            raise ValueError("static-shape decode needs a pool with a pad page (KVPool(pad_page=True))")
+        if not batch_sizes or min(batch_sizes) < 1 or max_pages_per_seq < 1:
+            raise ValueError(f"batch sizes {list(batch_sizes)} and max_pages_per_seq {max_pages_per_seq} must be >= 1")
+        largest, dev = max(batch_sizes), self.pool.device
+        indptr = torch.zeros(largest + 1, dtype=torch.int32, device=dev)
+        indices = torch.zeros(largest * max_pages_per_seq, dtype=torch.int32, device=dev)
+        last_page_len = torch.zeros(largest, dtype=torch.int32, device=dev)
+        self._static_slots = torch.zeros(largest, dtype=torch.int64, device=dev)
+        self._max_pages_per_seq = max_pages_per_seq
+        self.static_decode = {
+            size: self._kernels.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, kv_layout="NHD", use_tensor_cores=self.group_size >= TENSOR_CORE_GROUP_SIZE,
+                use_cuda_graph=True, paged_kv_indptr_buffer=indptr[: size + 1],
+                paged_kv_indices_buffer=indices[: size * max_pages_per_seq],
+                paged_kv_last_page_len_buffer=last_page_len[:size],
+            )  # fmt: skip
+            for size in sorted(set(batch_sizes))
+        }
+
+    def plan_static_decode(self, batch_size: int, layout: StepLayout) -> None:
+        """Pad ``layout`` to ``batch_size`` one-token rows on the pad page and plan that size's wrapper."""
+        wrapper = self.static_decode.get(batch_size)
+        assert wrapper is not None and self._static_slots is not None, (
+            f"no static decode of batch size {batch_size}: enabled for {sorted(self.static_decode)}"
+        )
+        n, pad_page, page_size = len(layout.query_lens), self.pool.pad_page_id, self.pool.page_size
+        assert pad_page is not None and n <= batch_size and all(q == 1 for q in layout.query_lens), (n, batch_size)
+        assert all(num_pages_for(c, page_size) <= self._max_pages_per_seq for c in layout.context_lens), (
+            f"a context needs more than max_pages_per_seq={self._max_pages_per_seq} pages"
+        )
+        pad = batch_size - n
+        padded = StepLayout(
+            [*layout.query_lens, *[1] * pad], [*layout.context_lens, *[1] * pad],
+            [*layout.page_tables, *[[pad_page]] * pad],
+        )  # fmt: skip
+        check_layout(padded, page_size)
+        idx = {name: self._host(t) for name, t in build_flashinfer_indices(padded, page_size).items()}
+        self._slots = self._static_slots[:batch_size]
+        self._slots.copy_(self._host(build_slot_mapping(padded, page_size)), non_blocking=True)
+        self._num_tokens = batch_size
+        self._plan_decode(wrapper, idx)
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -26,13 +26,22 @@ KV-cache layout tutorial and the wrappers' docstrings):
   the k cache is not in the dtype ``plan`` named, as FlashInfer does.
 - ``plan`` takes its own copy of the index arrays (FlashInfer copies them to
   the device there): changing them after ``plan`` changes nothing.
+- CUDA-graph mode of the decode wrapper (``use_cuda_graph=True``): the
+  constructor needs ``paged_kv_indptr_buffer`` / ``paged_kv_indices_buffer``
+  / ``paged_kv_last_page_len_buffer`` tensors, the batch size is fixed to
+  ``len(paged_kv_last_page_len_buffer)`` (the indptr buffer one longer),
+  ``plan`` raises ValueError for another batch size or more indices than the
+  indices buffer holds and copies the arrays into those buffers, and ``run``
+  reads the page table from the buffers as they are then (as a replayed
+  graph reads device memory), not from ``plan``'s arguments.
 
 Deliberately stricter: optional ``plan`` arguments are keyword-only (FlashInfer
 0.6.0 inserted ``o_data_type`` among the positional ones, so callers must
 not rely on positions); index arrays must be int32 (FlashInfer's docs: int64
 indexes wrongly) and consistent; features flotilla does not use (custom
-masks, in-kernel RoPE, windows, soft caps, CUDA graphs, HND, ``return_lse``,
-fp8 queries) raise NotImplementedError rather than being approximated.
+masks, in-kernel RoPE, windows, soft caps, the prefill wrapper's CUDA graphs,
+HND, ``return_lse``, fp8 queries) raise NotImplementedError rather than
+being approximated.
 Deliberately wider: float32 is accepted (FlashInfer's kernels take float16 /
 bfloat16, and fp8 KV), so index logic is checked at float32 precision.
 """
@@ -40,7 +49,7 @@ bfloat16, and fp8 KV), so index logic is checked at float32 precision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -172,12 +181,12 @@ def _attend(
     return result
 
 
-def _check_workspace(buffer: torch.Tensor, kv_layout: str, use_cuda_graph: bool, backend: str) -> None:
+def _check_workspace(buffer: torch.Tensor, kv_layout: str, backend: str) -> None:
     if not isinstance(buffer, torch.Tensor):
         raise TypeError("float_workspace_buffer must be a tensor")
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"Invalid kv_layout {kv_layout}")
-    _unsupported(HND=kv_layout == "HND", use_cuda_graph=use_cuda_graph, backend=backend != "auto")
+    _unsupported(HND=kv_layout == "HND", backend=backend != "auto")
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
@@ -190,7 +199,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         custom_mask_buf: torch.Tensor | None = None, mask_indptr_buf: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> None:  # fmt: skip
-        _check_workspace(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+        _check_workspace(float_workspace_buffer, kv_layout, backend)
+        _unsupported(prefill_use_cuda_graph=use_cuda_graph)
         self.float_workspace_buffer = float_workspace_buffer
         self.num_plans = 0
         self.num_runs = 0
@@ -236,12 +246,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
         paged_kv_indices_buffer: torch.Tensor | None = None,
         paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
     ) -> None:  # fmt: skip
-        _check_workspace(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+        _check_workspace(float_workspace_buffer, kv_layout, backend)
         self.float_workspace_buffer = float_workspace_buffer
         self.use_tensor_cores = use_tensor_cores  # a kernel choice: same numbers either way
         self.num_plans = 0
         self.num_runs = 0
         self._plan: _Plan | None = None
+        self.is_cuda_graph_enabled = use_cuda_graph
+        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if use_cuda_graph:
+            buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            for name, buf in zip(("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                                  "paged_kv_last_page_len_buffer"), buffers, strict=True):  # fmt: skip
+                if not isinstance(buf, torch.Tensor):
+                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
+            indptr_buf, indices_buf, last_buf = buffers
+            assert indptr_buf is not None and indices_buf is not None and last_buf is not None
+            if len(indptr_buf) != len(last_buf) + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+            self._buffers = (indptr_buf, indices_buf, last_buf)
 
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
@@ -256,13 +279,36 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q_data_type = q_data_type if q_data_type is not None else data_type
             kv_data_type = kv_data_type if kv_data_type is not None else data_type
         batch = len(last_page_len)
+        if self._buffers is not None:
+            indptr_buf, indices_buf, last_buf = self._buffers
+            if batch != len(last_buf):
+                raise ValueError(
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch} "
+                    f" mismatches the batch size set during initialization {len(last_buf)}"
+                )
+            if len(indices) > len(indices_buf):
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
         self._plan = _make_plan(
             list(range(batch + 1)), indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
             page_size, causal=False, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q_data_type or "float16",
             kv_data_type=kv_data_type, o_data_type=o_data_type,
         )  # fmt: skip
+        if self._buffers is not None:
+            indptr_buf.copy_(indptr)
+            indices_buf[: len(indices)].copy_(indices)
+            last_buf.copy_(last_page_len)
         self.num_plans += 1
+
+    def _graph_plan(self) -> _Plan | None:
+        """The plan with its page table read from the graph buffers, as a replay would see them."""
+        if self._buffers is None or self._plan is None:
+            return self._plan
+        indptr_buf, indices_buf, last_buf = self._buffers
+        kv_indptr = _ints("paged_kv_indptr_buffer", indptr_buf.cpu())
+        indices = indices_buf[: kv_indptr[-1]].cpu().to(torch.int64)
+        return replace(self._plan, kv_indptr=kv_indptr, indices=indices,
+                       last_page_len=_ints("paged_kv_last_page_len_buffer", last_buf.cpu()))  # fmt: skip
 
     def run(
         self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args: object,
@@ -271,5 +317,5 @@ class BatchDecodeWithPagedKVCacheWrapper:
         enable_pdl: bool | None = None, window_left: int | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         self.num_runs += 1
-        return _attend(self._plan, q, paged_kv_cache, args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        return _attend(self._graph_plan(), q, paged_kv_cache, args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                        out=out, lse=lse, return_lse=return_lse, window_left=window_left, sinks=sinks)

@@ -30,6 +30,7 @@ from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.errors import CacheConfigError
 from kvcache.kv_pool import KVPool
 from kvcache.kv_quant import dequantize_kv
+from kvcache.kv_transfer import KVPayloadMismatchError
 from scheduling.errors import InvalidParameterError
 from tests.kvcache import flashinfer_emulator
 
@@ -38,9 +39,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def _pool(heads: tuple[int, int], page_size: int, dtype: torch.dtype, device: str = "cpu", kv_dtype: str = "auto",
-          num_layers: int = 2, head_dim: int = HEAD_DIM) -> KVPool:  # fmt: skip
+          num_layers: int = 2, head_dim: int = HEAD_DIM, pad_page: bool = False) -> KVPool:  # fmt: skip
     return KVPool(num_layers=num_layers, num_pages=160, page_size=page_size, num_kv_heads=heads[1],
-                  head_dim=head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype)  # fmt: skip
+                  head_dim=head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype, pad_page=pad_page)  # fmt: skip
 
 
 def _flashinfer(pool: KVPool, heads: tuple[int, int], kernels: FlashInferKernels | ModuleType) -> FlashInferPagedAttention:
@@ -57,19 +58,30 @@ class Pair:
     its pool, checked to be within fp8's rounding error of what was written,
     and handed to the reference as stored. So the reference attends over
     exactly the pages FlashInfer reads, and one tolerance serves both formats.
+
+    With ``static_sizes``, decode-only steps take the static-shape path
+    (``plan_static_decode``, what a CUDA graph replays) at the smallest of
+    those sizes that holds them, padding rows carrying random q/k/v; only
+    the real rows are compared, and the pad page is the one page the
+    padding may write (``assert_same_pages`` covers every other).
     """
 
     def __init__(self, heads: tuple[int, int], page_size: int, dtype: torch.dtype, seed: int,
                  kernels: FlashInferKernels | ModuleType = flashinfer_emulator, device: str = "cpu",
-                 head_dim: int = HEAD_DIM, kv_dtype: str = "auto") -> None:  # fmt: skip
+                 head_dim: int = HEAD_DIM, kv_dtype: str = "auto", static_sizes: tuple[int, ...] = ()) -> None:  # fmt: skip
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
         self.heads, self.page_size, self.dtype, self.device = heads, page_size, dtype, device
         self.head_dim = head_dim
         self.ref_pool = _pool(heads, page_size, dtype, device, head_dim=head_dim)
-        self.fi_pool = _pool(heads, page_size, dtype, device, head_dim=head_dim, kv_dtype=kv_dtype)
+        self.fi_pool = _pool(heads, page_size, dtype, device, head_dim=head_dim, kv_dtype=kv_dtype,
+                             pad_page=bool(static_sizes))  # fmt: skip
         self.ref = TorchPagedAttention(self.ref_pool, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
         self.fi = _flashinfer(self.fi_pool, heads, kernels)
+        self.static_sizes = sorted(static_sizes)
+        self.static_steps = 0
+        if static_sizes:
+            self.fi.enable_static_decode(self.static_sizes, max_pages_per_seq=16)
         self.free = list(range(self.fi_pool.num_pages))
         self.rng.shuffle(self.free)  # non-contiguous, unordered page tables
         self.pages: dict[int, list[int]] = {}
@@ -137,16 +149,26 @@ class Pair:
             self.lengths[s] = c
         layout = StepLayout([n for _, n in work], ctxs, [list(self.pages[s]) for s, _ in work])
         slots = torch.cat([self._slots(s, c - n, c) for (s, n), c in zip(work, ctxs, strict=True)])
-        wrapper = self.fi.decode if all(n == 1 for _, n in work) else self.fi.prefill
-        counts = (getattr(wrapper, "num_plans", 0), getattr(wrapper, "num_runs", 0))  # the emulator's
-        self.ref.plan(layout)
-        self.fi.plan(layout)
         total = sum(n for _, n in work)
+        decode_only = all(n == 1 for _, n in work)
+        rows = total  # what the FlashInfer backend is handed: the step's tokens, and padding rows on the static path
+        static = decode_only and bool(self.static_sizes) and total <= self.static_sizes[-1]
+        if static:
+            rows = min(size for size in self.static_sizes if size >= total)
+        wrapper = self.fi.static_decode[rows] if static else self.fi.decode if decode_only else self.fi.prefill
+        counts = (getattr(wrapper, "num_plans", 0), getattr(wrapper, "num_runs", 0))  # the emulator's
+        if static:
+            self.fi.plan_static_decode(rows, layout)
+            self.static_steps += 1
+        else:
+            self.fi.plan(layout)
+        self.ref.plan(layout)
         for layer in range(self.fi_pool.num_layers):
             # q as a strided slice, as the fused qkv projection hands it over.
-            q = self._randn(total, self.heads[0] + 1, self.head_dim)[:, : self.heads[0]]
-            k, v = self._randn(total, self.heads[1], self.head_dim), self._randn(total, self.heads[1], self.head_dim)
-            got = self.fi.forward(layer, q, k, v)  # first: it writes the pages the reference is given
+            q = self._randn(rows, self.heads[0] + 1, self.head_dim)[:, : self.heads[0]]
+            k, v = self._randn(rows, self.heads[1], self.head_dim), self._randn(rows, self.heads[1], self.head_dim)
+            got = self.fi.forward(layer, q, k, v)[:total]  # first: it writes the pages the reference is given
+            q, k, v = q[:total], k[:total], v[:total]
             kept_k, kept_v = self._stored("k", layer, slots), self._stored("v", layer, slots)
             for true, kept in ((k, kept_k), (v, kept_v)):
                 if self.fi_pool.is_quantized:  # e4m3's rounding: 3 mantissa bits, subnormals down to 2^-9
@@ -189,8 +211,9 @@ class Pair:
     def assert_same_pages(self) -> None:
         """Both backends wrote the same k/v at the same slots (the FlashInfer pool's dequantized)."""
         for layer in range(self.fi_pool.num_layers):
-            assert torch.equal(self.ref_pool.k_caches[layer].flatten(0, 1), self._stored("k", layer))
-            assert torch.equal(self.ref_pool.v_caches[layer].flatten(0, 1), self._stored("v", layer))
+            real = self.ref_pool.num_pages * self.page_size  # the pad page, if any, lies past these slots
+            assert torch.equal(self.ref_pool.k_caches[layer].flatten(0, 1), self._stored("k", layer)[:real])
+            assert torch.equal(self.ref_pool.v_caches[layer].flatten(0, 1), self._stored("v", layer)[:real])
 
 
 HEADS = [(8, 2), (6, 2), (8, 1), (4, 4)]  # GQA 4 (tensor-core decode), GQA 3, MQA, MHA
@@ -230,6 +253,52 @@ def test_fp8_pages_match_their_dequantized_reference(heads: tuple[int, int], pag
     pair = Pair(heads, page_size, dtype, seed=3 * page_size + heads[1], kv_dtype="fp8_e4m3")
     _check_emulated(pair, request)
     assert pair.fi_pool.k_caches[0].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS[::2], ids=HEAD_IDS[::2])
+def test_static_decode_matches_torch_paged_attention(heads: tuple[int, int], dtype: torch.dtype, kv_dtype: str,
+                                                     request: pytest.FixtureRequest) -> None:  # fmt: skip
+    """Decode-only steps padded to sizes 2 and 8 (the workload's 6 and 3 sequences pad to 8) on the static buffers."""
+    pair = Pair(heads, 16, dtype, seed=5 + heads[1], kv_dtype=kv_dtype, static_sizes=(2, 8))
+    _check_emulated(pair, request)
+    assert pair.static_steps >= 3
+    assert all(w.is_cuda_graph_enabled for w in pair.fi.static_decode.values())  # type: ignore[attr-defined]
+
+
+def test_static_decode_reads_the_page_table_from_its_buffers() -> None:
+    """What a replayed graph sees: the buffers as the latest plan of that size left them."""
+    pair = Pair((8, 2), 16, torch.float32, seed=11, static_sizes=(4,))
+    pair.step([(0, 9), (1, 20), (2, 3)])
+    wrapper = pair.fi.static_decode[4]
+    pair.step([(0, 1), (1, 1), (2, 1)])  # planned and run on size 4's buffers
+    q = torch.randn(4, 8, HEAD_DIM)
+    planned = wrapper.run(q, pair.fi._caches[0])  # type: ignore[attr-defined]
+    buffers = wrapper._buffers  # type: ignore[attr-defined]
+    buffers[1][: buffers[0][-1]] = buffers[1][: buffers[0][-1]].flip(0)  # another page order, as a new plan would write
+    assert not torch.equal(wrapper.run(q, pair.fi._caches[0]), planned)  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match=r"\(5, 4\)"):  # more sequences than the size holds
+        pair.fi.plan_static_decode(4, StepLayout([1] * 5, [3] * 5, [[0]] * 5))
+    with pytest.raises(ValueError, match="batch size should be fixed"):
+        wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),  # type: ignore[attr-defined]
+                     torch.tensor([1], dtype=torch.int32), 8, 2, HEAD_DIM, 16, q_data_type=torch.float32)  # fmt: skip
+
+
+def test_static_decode_needs_a_pad_page_and_known_sizes() -> None:
+    pool = _pool((8, 2), 16, torch.float32)
+    with pytest.raises(ValueError, match="pad page"):
+        _flashinfer(pool, (8, 2), flashinfer_emulator).enable_static_decode([1, 2], 4)
+    padded = _pool((8, 2), 16, torch.float32, pad_page=True)
+    assert padded.pad_page_id == padded.num_pages == 160 and padded.k_caches[0].shape[0] == 161
+    backend = _flashinfer(padded, (8, 2), flashinfer_emulator)
+    backend.enable_static_decode([1, 2], 4)
+    with pytest.raises(AssertionError, match="no static decode of batch size 3"):
+        backend.plan_static_decode(3, StepLayout([1], [5], [[0]]))
+    with pytest.raises(AssertionError, match="max_pages_per_seq"):
+        backend.plan_static_decode(2, StepLayout([1], [65], [list(range(5))]))
+    with pytest.raises(KVPayloadMismatchError, match="page ids"):
+        padded.read_pages([160])  # the pad page is nobody's: it does not travel
 
 
 def test_int8_pages_are_refused_by_name() -> None:

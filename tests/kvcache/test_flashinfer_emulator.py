@@ -157,7 +157,29 @@ def test_plan_arguments_and_layouts_are_checked() -> None:
         w.plan(torch.tensor([0, 3, 8], dtype=torch.int32), *args[1:], causal=True)
     with pytest.raises(RuntimeError, match="plan"):
         fi.BatchDecodeWithPagedKVCacheWrapper(WORKSPACE).run(case.q, (case.k, case.v))
-    with pytest.raises(NotImplementedError, match="use_cuda_graph"):
+    with pytest.raises(NotImplementedError, match="prefill_use_cuda_graph"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(WORKSPACE, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="paged_kv_indptr_buffer should be a torch.Tensor"):
         fi.BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="batch_size \\+ 1"):
+        fi.BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, use_cuda_graph=True, paged_kv_indptr_buffer=torch.zeros(2),
+                                              paged_kv_indices_buffer=torch.zeros(4),
+                                              paged_kv_last_page_len_buffer=torch.zeros(2))  # fmt: skip
     with pytest.raises(NotImplementedError, match="custom_mask"):
         w.plan(*args, custom_mask=torch.ones(34, dtype=torch.bool))
+
+
+def test_cuda_graph_decode_equals_plain_decode_and_keeps_its_buffers() -> None:
+    """``use_cuda_graph`` decode: same numbers as plain decode, its page table copied into the caller's buffers."""
+    case = Case([(1, kv) for kv in (1, 15, 16, 17, 70)], heads=(8, 2), head_dim=32, page_size=16, seed=4)
+    i32 = torch.int32
+    indptr, indices, last = torch.zeros(6, dtype=i32), torch.full((40,), -1, dtype=i32), torch.zeros(5, dtype=i32)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WORKSPACE, use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
+                                              paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)  # fmt: skip
+    w.plan(case.kv_indptr, case.indices, case.last, 8, 2, 32, 16, q_data_type=case.q.dtype)
+    assert torch.equal(indptr, case.kv_indptr) and torch.equal(last, case.last)
+    assert torch.equal(indices[: len(case.indices)], case.indices) and (indices[len(case.indices):] == -1).all()
+    torch.testing.assert_close(w.run(case.q, (case.k, case.v)), case.decode().run(case.q, (case.k, case.v)),
+                               atol=0, rtol=0)  # fmt: skip
+    with pytest.raises(ValueError, match="indices should be less than or equal"):
+        w.plan(case.kv_indptr, torch.zeros(41, dtype=i32), case.last, 8, 2, 32, 16)

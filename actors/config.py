@@ -9,6 +9,7 @@ import torch
 
 from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 from kvcache.attention.flashinfer import FlashInferKernels, check_flashinfer_settings
+from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype
 from scheduling.errors import InvalidParameterError
@@ -28,10 +29,6 @@ _DTYPES = {
 # Ray placement-group strategies for the tensor-parallel shards of one engine.
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 
-# Attention backends that exist. "auto" is "torch" everywhere for now;
-# "flashinfer" runs only where it can (see _check_attention_backend), and is
-# refused by name elsewhere rather than quietly run on torch.
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 # What attention_kernels must offer (the flashinfer module's two wrapper classes).
 _KERNEL_CLASSES = ("BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper")
 
@@ -68,6 +65,12 @@ class EngineConfig:
     ``quantization_group_size`` for int4 (None: 32 from GGUF blocks, else
     128). ``grammar_compile_timeout_s``: how long a request waits for its
     structured-output constraint to compile before it is refused (400).
+    ``cuda_graphs``: run decode-only steps as CUDA graphs replayed at padded
+    batch sizes (``actors.runner.decode_graphs``). None (the default): on
+    wherever they can run (CUDA, ``attention_backend="flashinfer"``, one
+    shard), off elsewhere; True elsewhere is refused by name. With
+    ``attention_kernels`` (the tests' emulator) on the CPU, True runs the
+    same static-buffer path eagerly, without capturing.
     Errors name the parameter and, where two settings disagree, both values.
     """
 
@@ -94,6 +97,7 @@ class EngineConfig:
     quantization_group_size: int | None = None
     grammar_compile_timeout_s: float = 10.0
     attention_kernels: FlashInferKernels | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -137,6 +141,7 @@ class EngineConfig:
             raise InvalidParameterError(e.param, e.message) from None
         self._check_quantization()
         self._check_attention_backend()
+        self._check_cuda_graphs()
         if isinstance(self.grammar_compile_timeout_s, bool) or not (
             isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0
         ):
@@ -193,6 +198,38 @@ class EngineConfig:
             )
         except CacheConfigError as e:
             raise InvalidParameterError(e.param, e.message) from None
+
+    def _check_cuda_graphs(self) -> None:
+        graphs = self.cuda_graphs
+        if graphs is not None and not isinstance(graphs, bool):
+            raise InvalidParameterError("cuda_graphs", f"must be true, false or None (auto), got {graphs!r}")
+        if not graphs:
+            return
+        device = self.resolved_device()
+        if device.type != "cuda" and self.attention_kernels is None:
+            raise InvalidParameterError(
+                "cuda_graphs", f"CUDA graphs need a CUDA device, and the device is {device.type}: "
+                f"set cuda_graphs to false or leave it unset",
+            )  # fmt: skip
+        if self.resolved_attention_backend() != "flashinfer":
+            raise InvalidParameterError(
+                "cuda_graphs", f"CUDA graphs need attention_backend='flashinfer', not {self.attention_backend!r}: "
+                f"the torch backend's gathers change shape with every step",
+            )  # fmt: skip
+        if self.tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                "cuda_graphs", f"CUDA graphs run with one shard for now, not tensor_parallel_size "
+                f"{self.tensor_parallel_size} (all-reduces inside a graph have not been checked on a device)",
+            )  # fmt: skip
+
+    def resolved_cuda_graphs(self) -> bool:
+        """Whether decode steps run on static buffers (as CUDA graphs on CUDA): ``cuda_graphs``, or where it can."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return (
+            self.resolved_device().type == "cuda" and self.attention_kernels is None
+            and self.resolved_attention_backend() == "flashinfer" and self.tensor_parallel_size == 1
+        )  # fmt: skip
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

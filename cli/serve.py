@@ -25,6 +25,7 @@ from typing import Any
 from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
 from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
+from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.kv_dtypes import KV_CACHE_DTYPES
 from scheduling.json_object import parse_json_object
 
@@ -66,6 +67,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "directly), or compressed-tensors (GPTQ/AWQ checkpoints; found by itself too)")
     sp.add_argument("--quantization-group-size", type=int, default=None, choices=INT4_GROUP_SIZES,
                     help="int4 group size (default: 32 from GGUF blocks, else 128)")
+    sp.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                    help="auto (= torch), torch, or flashinfer (CUDA with the cuda extra; docs/gpu.md)")
+    sp.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode steps as replayed CUDA graphs (default: on where they can run: CUDA, "
+                         "flashinfer, one shard; docs/gpu.md)")
     sp.add_argument("--num-gpus", type=float, default=0.0,
                     help="GPUs for each replica's scheduler actor (the in-process executor)")
     sp.add_argument("--api-key", action="append", default=None, dest="api_keys", metavar="KEY",
@@ -137,7 +143,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.model, "num_replicas": args.replicas}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_pages",
                  "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads",
-                 "speculative_config", "kv_cache_dtype", "quantization", "quantization_group_size"):
+                 "speculative_config", "kv_cache_dtype", "quantization", "quantization_group_size",
+                 "attention_backend", "cuda_graphs"):
         value = getattr(args, name)
         if value is not None:
             out[name] = value

@@ -52,6 +52,20 @@ def as_device_tensor(
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def copy_from_host(dst: torch.Tensor, values: Sequence[int]) -> None:
+    """Fill ``dst`` (1-D, on its device) with ``values``, queued without waiting, as ``as_device_tensor`` is.
+
+    For static buffers (a CUDA graph reads its inputs from fixed addresses).
+    """
+    if len(values) != dst.numel():
+        raise ValueError(f"{len(values)} values for a buffer of {dst.numel()}")
+    if dst.device.type == "cpu":
+        dst.copy_(torch.tensor(values, dtype=dst.dtype))
+        return
+    _check_cuda(dst.device)
+    dst.copy_(torch.tensor(values, dtype=dst.dtype, pin_memory=True), non_blocking=True)
+
+
 def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Complete CPU copies of ``tensors`` (all on one device): a step's one wait for its device.
 

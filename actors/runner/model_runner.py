@@ -17,6 +17,7 @@ from actors.config import EngineConfig
 from actors.load.loader import load_model
 from actors.log import get_logger
 from actors.models.layers import ParallelLinear
+from actors.runner.decode_graphs import DecodeGraphs
 from actors.runner.draft_runner import DraftRunner
 from actors.runner.sampler import SampledRows, Sampler
 from actors.runner.spec_verify import count_accepted, expand_sampling, sample_rows
@@ -171,7 +172,7 @@ class ModelRunner:
         self.pool = KVPool(
             num_layers=m.num_layers, num_pages=self.capacity.num_pages, page_size=config.page_size,
             num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=self.dtype, device=self.device,
-            kv_dtype=config.kv_cache_dtype,
+            kv_dtype=config.kv_cache_dtype, pad_page=config.resolved_cuda_graphs(),
         )
         if rank == 0:  # one report per engine, not one per shard
             logger.info(self.capacity.describe())
@@ -182,6 +183,14 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.seed)
         self.drafter = make_drafter(config, self, rank=rank, world_size=world_size)
+        # Last: capturing runs the model, which must be complete.
+        self.graphs: DecodeGraphs | None = None
+        if config.resolved_cuda_graphs():
+            self.graphs = DecodeGraphs(
+                self.model, self.attn, max_num_seqs=config.max_num_seqs,
+                max_pages_per_seq=-(-config.max_model_len // config.page_size), device=self.device,
+                capture=self.device.type == "cuda",
+            )  # fmt: skip
 
     @property
     def num_pages(self) -> int:
@@ -225,17 +234,24 @@ class ModelRunner:
     def _run(self, batch: Batch) -> StepOutput:
         """The forward, sampling, KV export and drafting of ``execute`` (in its inference mode).
 
-        Everything up to the read of the sampled rows and the exported pages
+        A decode-only step runs on the static buffers of ``self.graphs``
+        (``cuda_graphs``; a replayed CUDA graph on CUDA), every other step
+        eagerly. Everything up to the read of the sampled rows and the exported pages
         is queued without waiting for the device; that read
         (``device_copy.to_host``) is the step's one wait (drafting, after it,
         waits again: ``DraftRunner.propose``).
         """
         dev = self.device
-        input_ids = as_device_tensor(batch.input_ids, torch.long, dev)
-        positions = as_device_tensor(batch.positions, torch.long, dev)
         layout = StepLayout(batch.query_lens, batch.context_lens, batch.page_tables)
-        self.attn.plan(layout)
-        hidden = self.model(input_ids, positions, self.attn)
+        graphs = self.graphs
+        if graphs is not None and batch.is_decode_only and 0 < batch.num_seqs <= graphs.max_batch_size:
+            hidden = graphs.run(batch.input_ids, batch.positions, layout)
+            input_ids, positions = graphs.input_ids[: batch.num_seqs], graphs.positions[: batch.num_seqs]
+        else:
+            input_ids = as_device_tensor(batch.input_ids, torch.long, dev)
+            positions = as_device_tensor(batch.positions, torch.long, dev)
+            self.attn.plan(layout)
+            hidden = self.model(input_ids, positions, self.attn)
         if self.drafter is not None:
             self.drafter.catch_up(input_ids, positions, layout)
         sampled: SampledRows | None = None

@@ -33,6 +33,12 @@ Not counted: ``Tensor.copy_`` (on the CPU a host-to-device copy looks like a
 device-to-device one) and waits inside C++ or inside a Python torch function
 (the mode sees the outer call only). The CUDA check covers both.
 
+Calls made from ``kernel_files`` (a CPU stand-in for device kernels, such as
+the FlashInfer emulator, which computes on the host what a launched kernel
+computes on the device) are the kernels' own: they go to ``kernel_calls``,
+not ``calls``. A real launch reads nothing back; what the caller hands the
+kernels is still counted.
+
 The step's one allowed wait, ``kvcache.device_copy.to_host``, counts once
 per call (``allowed``), not in ``calls``; the tensors it returns are host
 data, so reading them (``.tolist()``) is not counted either. The counter
@@ -44,6 +50,7 @@ and their ``.tolist()`` would count.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
@@ -122,10 +129,12 @@ class HostSyncCounter(TorchFunctionMode):
     docstring). ``allowed`` counts the calls of ``device_copy.to_host``.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kernel_files: Sequence[str] = ()) -> None:
         super().__init__()
         self.device = device
         self.calls: list[str] = []
+        self.kernel_calls: list[str] = []
+        self._kernel_files = frozenset(kernel_files)
         self.allowed = 0
         # Host copies to_host returned, held so their ids stay unique in the block.
         self._host: dict[int, torch.Tensor] = {}
@@ -164,7 +173,8 @@ class HostSyncCounter(TorchFunctionMode):
         kwargs = kwargs or {}
         name = self._sync_name(func, args, kwargs)
         if name is not None:
-            self.calls.append(name)
+            caller = sys._getframe(1).f_code.co_filename  # who called torch: the step or a kernel stand-in
+            (self.kernel_calls if caller in self._kernel_files else self.calls).append(name)
         return func(*args, **kwargs)
 
     def _sync_name(

@@ -3,8 +3,9 @@
 Models: two seeded tiny checkpoints (Llama with GQA, Qwen2 with biases, MQA
 and tied embeddings) and the embedded ``tiny`` preset (``LLM("tiny")``'s
 weights). Every mode runs on each attention backend in ``BACKENDS``: the
-torch reference, and FlashInfer's backend under the tests' CPU emulator of
-its kernels.
+torch reference, FlashInfer's backend under the tests' CPU emulator of its
+kernels, and that backend with ``cuda_graphs`` on: decode steps on the
+static buffers a CUDA graph replays (run eagerly on the CPU).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ MODES: dict[str, dict[str, Any]] = {
 BACKENDS: dict[str, dict[str, object]] = {
     "torch": {},
     "flashinfer_emulator": {"attention_backend": "flashinfer", "attention_kernels": flashinfer_emulator},
+    "flashinfer_static_decode": {"attention_backend": "flashinfer", "attention_kernels": flashinfer_emulator,
+                                 "cuda_graphs": True},
 }
 
 
@@ -88,8 +91,16 @@ def _engine(folder: Path, **overrides: Any) -> LLM:
 
 def assert_backend(llm: LLM, backend: str) -> None:
     """The engine attends with the backend ``backend`` names (nothing fell back to another)."""
-    want = FlashInferPagedAttention if backend == "flashinfer_emulator" else TorchPagedAttention
-    assert type(llm.engine.executor.runner.attn) is want  # type: ignore[attr-defined]
+    runner = llm.engine.executor.runner  # type: ignore[attr-defined]
+    want = TorchPagedAttention if backend == "torch" else FlashInferPagedAttention
+    assert type(runner.attn) is want
+    assert (runner.graphs is not None) == (backend == "flashinfer_static_decode")
+
+
+def assert_decode_path(llm: LLM) -> None:
+    """After a generate: an engine with static-buffer decode (``assert_backend``) ran its decode steps there."""
+    graphs = llm.engine.executor.runner.graphs  # type: ignore[attr-defined]
+    assert graphs is None or graphs.replays > 0
 
 
 def assert_pool_clean(llm: LLM) -> None:
@@ -115,6 +126,7 @@ def test_greedy_matches_hf(model_case: tuple[Path, list[list[int]], Any], mode: 
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
+    assert_decode_path(llm)
     stats = llm.engine.scheduler.stats
     if mode == "preemption":
         assert stats.num_preemptions > 0

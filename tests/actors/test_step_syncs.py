@@ -27,12 +27,14 @@ from actors.config import EngineConfig
 from actors.load.embedded import ensure_embedded_model
 from actors.runner.model_runner import ModelRunner
 from kvcache import cpu_kernels, device_copy
+from kvcache.attention.flashinfer import flashinfer_installed
 from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_transfer import KVPayload, RankPayloads
 from scheduling.batch import Batch, StepOutput, TokenMasks
 from scheduling.sampling_params import SamplingParams
 from scheduling.spec_config import SpeculativeConfig
 from tests.actors.sync_guard import HostSyncCounter
+from tests.kvcache import flashinfer_emulator
 
 PAGE = 16
 GREEDY = SamplingParams(temperature=0.0).sampler_view()
@@ -103,13 +105,14 @@ def _mask_row(allowed: range, vocab: int) -> list[int]:
 class _Script:
     """Runs every kind of step on one runner, in an order that keeps each valid, counting each."""
 
-    def __init__(self, runner: ModelRunner, *, cuda_sync_errors: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, *, cuda_sync_errors: bool = False, kernel_files: tuple[str, ...] = ()) -> None:
         self.runner = runner
         self.cuda_sync_errors = cuda_sync_errors
+        self.kernel_files = kernel_files
         self.results: list[tuple[str, HostSyncCounter, StepOutput]] = []
 
     def step(self, kind: str, batch: Batch, sampled: list[_Seq]) -> StepOutput:
-        with HostSyncCounter(self.runner.device) as counter:
+        with HostSyncCounter(self.runner.device, self.kernel_files) as counter:
             if self.cuda_sync_errors:
                 torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
             try:
@@ -175,14 +178,31 @@ def _drafting_steps(
     return script.results
 
 
-def make_runner(model: Path, device: str, speculative_config: SpeculativeConfig | None = None) -> ModelRunner:
+def _static_decode_steps(
+    runner: ModelRunner, *, cuda_sync_errors: bool = False, kernel_files: tuple[str, ...] = ()
+) -> list[tuple[str, HostSyncCounter, StepOutput]]:
+    """Decode steps of 3 and then 2 sequences on the static buffers (padded to 4 and 2), sampled and greedy."""
+    assert runner.graphs is not None
+    script = _Script(runner, cuda_sync_errors=cuda_sync_errors, kernel_files=kernel_files)
+    a, b, c = _Seq(_prompt(20, 3), [0, 1]), _Seq(_prompt(9, 5), [2, 12]), _Seq(_prompt(17, 9), [3, 4])
+    script.step("prefill", _batch(0, [(a, 20, True), (b, 9, True), (c, 17, True)]), [a, b, c])
+    replays = runner.graphs.replays
+    script.step("static_decode", _batch(1, [(a, 1, True), (b, 1, True), (c, 1, True)], SAMPLED), [a, b, c])
+    script.step("static_decode", _batch(2, [(a, 1, True), (c, 1, True)]), [a, c])
+    assert runner.graphs.replays == replays + 2
+    return script.results
+
+
+def make_runner(model: Path, device: str, speculative_config: SpeculativeConfig | None = None,
+                **overrides: object) -> ModelRunner:  # fmt: skip
     """A runner on ``model`` with torch attention, taking the path a CUDA step takes (no CPU kernel)."""
     before = os.environ.get(cpu_kernels.ENV_SWITCH)
     os.environ[cpu_kernels.ENV_SWITCH] = "0"
     try:
-        config = EngineConfig(model=str(model), device=device, dtype="float32", max_model_len=128,
+        config = EngineConfig(model=str(model), device=device, max_model_len=128,
                               max_num_seqs=4, max_num_batched_tokens=256, num_kv_pages=16, seed=0,
-                              attention_backend="torch", speculative_config=speculative_config)
+                              speculative_config=speculative_config,
+                              **{"attention_backend": "torch", "dtype": "float32", **overrides})
         return ModelRunner(config)
     finally:
         if before is None:
@@ -237,6 +257,10 @@ def test_guard_counts_what_would_sync_and_nothing_else() -> None:
         host.tolist()
     assert counter.calls == [] and counter.allowed == 1
     assert device_copy.to_host is real_to_host  # put back on leaving
+    with HostSyncCounter(cpu, kernel_files=(flashinfer_emulator.__file__,)) as counter:
+        flashinfer_emulator._ints("indptr", torch.arange(3, dtype=torch.int32))  # the stand-in kernels' own read
+        x.tolist()
+    assert counter.kernel_calls == ["tolist"] and counter.calls == ["tolist"]
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +289,22 @@ def test_drafting_waits_once_more_for_its_drafts(tiny: Path) -> None:
         assert counter.calls == [] and counter.allowed == 2, (kind, counter.calls, counter.allowed)
 
 
+def test_static_decode_waits_once(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode on the static buffers (``cuda_graphs``) waits only for its sampled tokens.
+
+    FlashInfer's backend runs under the tests' emulator, whose host reads
+    are the stand-in kernels' own (``HostSyncCounter.kernel_calls``); the
+    sampler takes its CUDA branches, as in ``count_step_syncs``.
+    """
+    monkeypatch.setattr(sampler_module, "_reads_are_free", lambda device: False)
+    runner = make_runner(tiny, "cpu", attention_backend="flashinfer", attention_kernels=flashinfer_emulator,
+                         cuda_graphs=True)  # fmt: skip
+    results = _static_decode_steps(runner, kernel_files=(flashinfer_emulator.__file__,))
+    for kind, counter, _ in results:
+        assert counter.calls == [] and counter.allowed == 1, (kind, counter.calls, counter.allowed)
+    assert all(counter.kernel_calls for _, counter, _ in results)  # the emulator did read: they were set aside
+
+
 def test_runner_takes_the_cuda_attention_path(tiny: Path) -> None:
     runner = make_runner(tiny, "cpu")
     assert isinstance(runner.attn, TorchPagedAttention) and not runner.attn.uses_cpu_kernel
@@ -282,6 +322,11 @@ def test_cuda_steps_raise_on_no_sync(tiny: Path) -> None:
     drafter = make_runner(tiny, "cuda", speculative_config=SELF_DRAFT)
     for kind, counter, _ in _drafting_steps(drafter, cuda_sync_errors=True):
         assert counter.calls == [] and counter.allowed == 2, (kind, counter.calls, counter.allowed)
+    if flashinfer_installed():  # decode as replayed CUDA graphs, in bfloat16 (FlashInfer's dtypes)
+        graphs = make_runner(tiny, "cuda", attention_backend="flashinfer", cuda_graphs=True, dtype="bfloat16")
+        assert graphs.graphs is not None and graphs.graphs.captured
+        for kind, counter, _ in _static_decode_steps(graphs, cuda_sync_errors=True):
+            assert counter.calls == [] and counter.allowed == 1, (kind, counter.calls, counter.allowed)
 
 
 def main() -> None:
@@ -291,6 +336,12 @@ def main() -> None:
         print("sampler branches:", "CUDA's" if device_path else "the CPU's")
         results = count_step_syncs(model, device_path=device_path)
         results += _drafting_steps(make_runner(model, "cpu", speculative_config=SELF_DRAFT))  # greedy drafts
+        static = make_runner(model, "cpu", attention_backend="flashinfer", attention_kernels=flashinfer_emulator,
+                             cuda_graphs=True)  # fmt: skip
+        with pytest.MonkeyPatch.context() as patch:
+            if device_path:
+                patch.setattr(sampler_module, "_reads_are_free", lambda device: False)
+            results += _static_decode_steps(static, kernel_files=(flashinfer_emulator.__file__,))[1:]
         for kind, counter, _ in results:
             names = ", ".join(counter.calls) or "-"
             print(f"  {kind:12s} waits {counter.count:3d} (allowed reads {counter.allowed}): {names}")

@@ -24,6 +24,16 @@ def test_unset_cpu_threads_keep_the_default() -> None:
     assert "cpu_threads" not in _args("--model", "tiny")
 
 
+def test_attention_backend_and_cuda_graphs_reach_the_engine_config() -> None:
+    assert _args("--model", "tiny", "--attention-backend", "torch", "--no-cuda-graphs") == {
+        "model": "tiny", "num_replicas": 1, "attention_backend": "torch", "cuda_graphs": False}
+    build_app(_args("--model", "tiny", "--attention-backend", "torch", "--no-cuda-graphs"))
+    assert "cuda_graphs" not in _args("--model", "tiny")  # unset: the engine decides where graphs run
+    with pytest.raises(InvalidParameterError) as err:  # on this CPU machine: refused by name, before Ray starts
+        build_app({**_args("--model", "tiny", "--cuda-graphs"), "device": "cpu"})
+    assert err.value.param == "cuda_graphs"
+
+
 def test_bad_cpu_threads_are_refused_before_ray_starts() -> None:
     with pytest.raises(InvalidParameterError) as err:
         build_app(_args("--model", "tiny", "--cpu-threads", "0"))

@@ -23,8 +23,9 @@ measurement, so a run killed from outside keeps what it had.
 2. ``decode``: random-weight models shaped like Llama-3.2-1B and Llama-3-8B
    in bf16 on FlashInfer, prompts of ``context`` tokens, then decode steps
    timed on the host after a device sync: batch 1 on both shapes, then the
-   1B shape at batch 16, 64 and 256. CUDA graphs on and off where
-   ``EngineConfig`` has ``cuda_graphs`` (see ``HAS_CUDA_GRAPHS``).
+   1B shape at batch 16, 64 and 256; each with ``cuda_graphs`` on and off,
+   passed explicitly (on the dry run's CPU, "on" runs the same static
+   buffers eagerly: the path is checked, not its speed).
 3. ``hf_peer``: HF ``generate`` (greedy) on the same weights and batches;
    a logits processor notes the time of every step (``StepClock``), so the
    same decode steps as flotilla's are timed, after the same warm-up ones.
@@ -57,7 +58,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -72,7 +73,6 @@ from transformers import (
     LogitsProcessorList,
 )
 
-from actors.config import EngineConfig
 from actors.engine.llm_engine import LLMEngine
 from actors.load.embedded import build_tokenizer, ensure_embedded_model
 from apps.llm import LLM
@@ -89,11 +89,6 @@ from tests.kvcache.test_flashinfer_backend import Pair
 PEAK_BANDWIDTH = 4.8e12
 PEAK_BF16_FLOPS = 790e12
 REFERENCE_CARD = "H200"
-
-# Step 22 adds EngineConfig.cuda_graphs in another change. Until it lands the engine runs every step
-# eagerly, so every flotilla figure is cuda_graphs false; once it exists, both settings are measured
-# and passed explicitly (its default is on, on CUDA, so leaving it out would mislabel the figures).
-HAS_CUDA_GRAPHS = "cuda_graphs" in {f.name for f in fields(EngineConfig)}
 
 PAGE_SIZE = 16
 BF16_BYTES = 2
@@ -197,7 +192,8 @@ class Plan:
         return kwargs
 
     def graph_modes(self) -> tuple[bool, ...]:
-        return (True, False) if HAS_CUDA_GRAPHS and self.device.type == "cuda" else (False,)
+        """Both, always passed (the default is on, on CUDA: leaving it out would mislabel a figure)."""
+        return (True, False)
 
 
 def make_plan(dry_run: bool) -> Plan:
@@ -424,6 +420,10 @@ def engine_decode(llm: LLM, shape: Shape, plan: Plan, batch: int, graphs: bool, 
         for _ in range(plan.warmup_steps):
             for d in engine.step():
                 generated[d.request_id] += len(d.token_ids)
+        static = llm.engine.executor.runner.graphs  # type: ignore[attr-defined]
+        if (static is not None) != graphs:
+            raise RuntimeError(f"asked for cuda_graphs {graphs}, and the engine's static decode is {static}")
+        replays = 0 if static is None else static.replays
         sync(plan.device)
         start = time.perf_counter()
         for _ in range(plan.decode_steps):
@@ -432,6 +432,8 @@ def engine_decode(llm: LLM, shape: Shape, plan: Plan, batch: int, graphs: bool, 
                 raise RuntimeError(f"a decode step advanced {len(deltas)} of {batch} sequences")
         sync(plan.device)
         seconds = time.perf_counter() - start
+        if static is not None and static.replays - replays != plan.decode_steps:
+            raise RuntimeError(f"{static.replays - replays} of {plan.decode_steps} timed steps ran on the graphs")
     finally:
         for rid in rids:
             engine.abort(rid)
@@ -486,10 +488,9 @@ def hf_decode(model: LlamaForCausalLM, shape: Shape, plan: Plan, batch: int, rng
 def engine_for(folder: Path, plan: Plan, graphs: bool, max_batch: int) -> LLM:
     max_len = plan.context + decode_room(plan, max_batch)
     pages = max_batch * math.ceil(max_len / PAGE_SIZE) + 64
-    graph_kwargs: dict[str, object] = {"cuda_graphs": graphs} if HAS_CUDA_GRAPHS else {}
     return LLM(str(folder), dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(8, max_batch),
                max_num_batched_tokens=prefill_budget(plan), num_kv_pages=pages, page_size=PAGE_SIZE,
-               **plan.engine_kwargs, **graph_kwargs)  # fmt: skip
+               cuda_graphs=graphs, **plan.engine_kwargs)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- phases
@@ -704,7 +705,7 @@ def device_info(plan: Plan) -> dict[str, Json]:
         "type": plan.device.type, "torch": torch.__version__, "cuda": torch.version.cuda,
         "transformers": version("transformers"), "flashinfer": version("flashinfer-python"),
         "attention_kernels": "flashinfer emulator (CPU)" if plan.dry_run else "flashinfer",
-        "has_cuda_graphs_switch": HAS_CUDA_GRAPHS, "python": sys.version.split()[0],
+        "python": sys.version.split()[0],
         "peak_bandwidth_bytes_per_s": PEAK_BANDWIDTH, "peak_bf16_flops": PEAK_BF16_FLOPS,
         "reference_card": REFERENCE_CARD,
     }  # fmt: skip
@@ -735,9 +736,6 @@ def main(argv: list[str] | None = None) -> int:
     if plan.device.type == "cuda" and REFERENCE_CARD not in torch.cuda.get_device_name(plan.device):
         report.note(f"MBU and roofline fractions are against the {REFERENCE_CARD}'s figures (issue 40); "
                     f"this card is {torch.cuda.get_device_name(plan.device)}")  # fmt: skip
-    if not HAS_CUDA_GRAPHS:
-        report.note("EngineConfig has no cuda_graphs switch yet: every flotilla step ran eagerly, so every "
-                    "decode entry is cuda_graphs false (the graphs-on entries come with that switch)")  # fmt: skip
     if plan.dry_run:
         report.note("dry run: CPU, the FlashInfer emulator, tiny shapes; the figures check the report, "
                     "not any speed")  # fmt: skip

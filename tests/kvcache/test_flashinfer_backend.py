@@ -354,11 +354,15 @@ def test_injected_kernels_make_the_runner_build_the_flashinfer_backend() -> None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and flashinfer_installed()), reason="needs CUDA and flashinfer")
+@pytest.mark.parametrize("static_sizes", [(), (2, 8)], ids=["dynamic", "static_decode"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa4", "mqa"])
 def test_real_flashinfer_matches_torch_paged_attention_on_cuda(heads: tuple[int, int], kv_dtype: str,
+                                                               static_sizes: tuple[int, ...],
                                                                request: pytest.FixtureRequest) -> None:  # fmt: skip
+    """``static_decode``: decode steps on FlashInfer's use_cuda_graph wrappers (run eagerly; the engine's gpu test captures)."""
     # head_dim 128: a size every FlashInfer build has kernels for.
     pair = Pair(heads, 16, torch.bfloat16, seed=1, kernels=load_flashinfer(), device="cuda", head_dim=128,
-                kv_dtype=kv_dtype)  # fmt: skip
+                kv_dtype=kv_dtype, static_sizes=static_sizes)  # fmt: skip
     _check(pair, request)
+    assert pair.static_steps >= (3 if static_sizes else 0)

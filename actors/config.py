@@ -26,6 +26,7 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
+MAX_LORA_RANK = 256
 # Ray placement-group strategies for the tensor-parallel shards of one engine.
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -71,6 +72,12 @@ class EngineConfig:
     shard), off elsewhere; True elsewhere is refused by name. With
     ``attention_kernels`` (the tests' emulator) on the CPU, True runs the
     same static-buffer path eagerly, without capturing.
+    ``enable_lora``: serve LoRA adapters (``actors.runner.lora_manager``),
+    up to ``max_loras`` of them in one step (device slots), each of rank at
+    most ``max_lora_rank``, with ``max_cpu_loras`` (default ``max_loras``)
+    kept read on the host. LoRA runs eagerly (its segment shapes change
+    every step: no CUDA graphs) and with n-gram speculation only (a draft
+    model or self-draft would propose without the adapter).
     Errors name the parameter and, where two settings disagree, both values.
     """
 
@@ -98,6 +105,10 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     attention_kernels: FlashInferKernels | None = None
     cuda_graphs: bool | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -150,6 +161,7 @@ class EngineConfig:
             )
         # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self._check_lora()  # after the parse: it reads speculative_config
         self.scheduler_config()  # validates the scheduling limits, naming both values
 
     def _check_quantization(self) -> None:
@@ -199,6 +211,30 @@ class EngineConfig:
         except CacheConfigError as e:
             raise InvalidParameterError(e.param, e.message) from None
 
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(name, f"must be a positive integer, got {value!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise InvalidParameterError("max_lora_rank", f"must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise InvalidParameterError(
+                "max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras}), got {cpu!r}"
+            )
+        if not self.enable_lora:
+            return
+        spec = self.speculative_config
+        if spec is not None and spec.drafts_in_runner:
+            raise InvalidParameterError(
+                "speculative_config", "a draft model or self-draft proposes without the request's LoRA adapter: "
+                "with enable_lora use the ngram method",
+            )  # fmt: skip
+
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
     def _check_cuda_graphs(self) -> None:
         graphs = self.cuda_graphs
         if graphs is not None and not isinstance(graphs, bool):
@@ -216,6 +252,11 @@ class EngineConfig:
                 "cuda_graphs", f"CUDA graphs need attention_backend='flashinfer', not {self.attention_backend!r}: "
                 f"the torch backend's gathers change shape with every step",
             )  # fmt: skip
+        if self.enable_lora:
+            raise InvalidParameterError(
+                "cuda_graphs", "CUDA graphs cannot replay LoRA steps (their adapter segments change shape every "
+                "step): set cuda_graphs to false or leave it unset with enable_lora",
+            )  # fmt: skip
         if self.tensor_parallel_size > 1:
             raise InvalidParameterError(
                 "cuda_graphs", f"CUDA graphs run with one shard for now, not tensor_parallel_size "
@@ -229,6 +270,7 @@ class EngineConfig:
         return (
             self.resolved_device().type == "cuda" and self.attention_kernels is None
             and self.resolved_attention_backend() == "flashinfer" and self.tensor_parallel_size == 1
+            and not self.enable_lora
         )  # fmt: skip
 
     @classmethod
@@ -249,6 +291,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
             speculative_config=self.speculative_config,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def resolved_attention_backend(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -23,6 +24,7 @@ from actors.engine.llm_engine import LLMEngine
 from actors.engine.outputs import CompletionOutput, RequestOutput
 from actors.engine.prompt_ids import chat_ids
 from actors.errors import ExecutorFailure
+from actors.runner.lora_manager import LoRAInfo
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
@@ -62,6 +64,14 @@ class LLM:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
+    def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Load the PEFT adapter in folder ``path`` as ``name`` (the engine needs ``enable_lora=True``)."""
+        return self.engine.loras.add(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` (offline nothing is in flight between calls: it goes at once)."""
+        self.engine.loras.remove(name)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -69,8 +79,14 @@ class LLM:
         *,
         use_tqdm: bool = True,
         namespace: str | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in input order."""
+        """Generate for every prompt (strings or token-id lists); outputs in input order.
+
+        ``lora``: a loaded adapter (``load_lora``) serving every prompt, in
+        place of each params' own ``lora``; per-prompt adapters go in the
+        ``SamplingParams`` list.
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -87,6 +103,8 @@ class LLM:
                     "sampling_params",
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts",
                 )
+        if lora is not None:
+            params_list = [replace(p, lora=lora) for p in params_list]
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:

@@ -83,6 +83,11 @@ class Batch:
     # runner writes them before the forward.
     kv_exports: list[tuple[int, list[int]]] | None = None
     kv_imports: list[tuple[list[int], RankPayloads]] | None = None
+    # LoRA (``scheduling.lora_slots``): each sequence's adapter slot (-1: the base model), None
+    # when no sequence of the step has an adapter; ``lora_loads``: (slot, adapter name) to write
+    # into the runner's slots before this step's forward.
+    lora_slots: list[int] | None = None
+    lora_loads: list[tuple[int, str]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -14,6 +14,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from scheduling.lora_slots import cache_namespace
 from scheduling.sampling_params import SamplingParams
 from scheduling.stop_rule import StopRule
 
@@ -56,6 +57,8 @@ class Request:
         "params",
         "sampler_params",
         "namespace",
+        "cache_namespace",
+        "lora_slot",
         "stop_rule",
         "status",
         "output_token_ids",
@@ -90,6 +93,9 @@ class Request:
         self.params = params
         self.sampler_params = params.sampler_view()  # what a batch carries to the sampler
         self.namespace = namespace
+        # The prefix-cache tree this request reads and fills: its namespace, and its adapter (params.lora).
+        self.cache_namespace = cache_namespace(namespace, params.lora)
+        self.lora_slot: int | None = None  # the LoRA slot it pins while running (``scheduling.lora_slots``)
         # When this sequence stops (and its text): the engine passes one with its detokenizer;
         # otherwise ``eos_token_id`` and ``params`` decide on tokens alone.
         self.stop_rule = StopRule(params, eos_token_id) if stop_rule is None else stop_rule

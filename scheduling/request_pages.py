@@ -75,7 +75,7 @@ class RequestPages:
         if req.pages:
             if self.cache is not None and req.num_computed_tokens >= self.page_size:
                 tokens = req.all_token_ids[: req.num_computed_tokens]
-                self.cache.insert(tokens, req.pages, req.namespace)
+                self.cache.insert(tokens, req.pages, req.cache_namespace)
             self.allocator.free(req.pages)
             req.pages = []
         if req.prefix_node is not None:

@@ -43,6 +43,8 @@ class SamplingParams:
     a prefix of something the constraint accepts (``actors.grammar``); the
     sequence then ends at the end-of-sequence token once the output is
     complete, so ``ignore_eos`` cannot be combined with it.
+    ``lora``: the name of a LoRA adapter loaded into the engine
+    (``LLMEngine.add_lora``) that serves this request; None is the base model.
     """
 
     max_tokens: int = 16
@@ -61,6 +63,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     structured_output: StructuredOutput | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers, store tuples so the object stays hashable/immutable.
@@ -103,6 +106,8 @@ class SamplingParams:
             _check_int("logit_bias", pair[0], 0)
             _check_range("logit_bias", pair[1], -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+        if self.lora is not None:
+            check_lora_name(self.lora, "lora")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise InvalidParameterError("structured_output", "must be a StructuredOutput")
@@ -153,3 +158,17 @@ def _interned_view(
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, logprobs=logprobs, logit_bias=logit_bias,
     )
+
+
+LORA_NAME_MAX = 128
+
+
+def check_lora_name(name: object, param: str) -> str:
+    """``name`` as a LoRA adapter name: 1..128 printable characters, no whitespace; else ``InvalidParameterError``."""
+    if not isinstance(name, str) or not 0 < len(name) <= LORA_NAME_MAX or not name.isprintable() or any(
+        c.isspace() for c in name
+    ):
+        raise InvalidParameterError(
+            param, f"an adapter name is 1..{LORA_NAME_MAX} printable characters without spaces, got {name!r}"
+        )
+    return name

@@ -34,6 +34,7 @@ from scheduling.batch import Batch, StepOutput
 from scheduling.batch_builder import Scheduled, build_batch
 from scheduling.errors import InvalidParameterError
 from scheduling.kv_handoff import drop_unwritten, imports_written, kv_exports, take_imported
+from scheduling.lora_slots import NO_LORA, LoRASlots
 from scheduling.request import Request, RequestStatus
 from scheduling.request_pages import RequestPages
 from scheduling.scheduler_config import SchedulerConfig
@@ -84,6 +85,7 @@ class Scheduler:
         self.spec = (
             SpecDecodePolicy(spec_config, self.stats, config.max_model_len) if spec_config is not None else None
         )
+        self.lora = LoRASlots(config.max_loras) if config.max_loras else None
         self._step = 0
         self._in_flight: dict[int, list[Scheduled]] = {}
         # request id -> siblings waiting for its prompt pages (see ``add``)
@@ -198,10 +200,25 @@ class Scheduler:
         batch, exports = build_batch(self._step + 1, scheduled), kv_exports(scheduled, self.kv)
         if imports or exports:
             batch = replace(batch, kv_imports=imports or None, kv_exports=exports or None)
+        if self.lora is not None:
+            batch = self._with_lora(batch, scheduled, self.lora)
         # In flight only once the batch exists: a step recorded without one could never be settled.
         self._step += 1
         self._in_flight[self._step] = scheduled
         return batch
+
+    @staticmethod
+    def _with_lora(batch: Batch, scheduled: list[Scheduled], lora: LoRASlots) -> Batch:
+        slots = [NO_LORA if e.request.lora_slot is None else e.request.lora_slot for e in scheduled]
+        loads = lora.take_loads()
+        if not loads and all(s == NO_LORA for s in slots):
+            return batch
+        return replace(batch, lora_slots=slots if any(s != NO_LORA for s in slots) else None,
+                       lora_loads=loads or None)  # fmt: skip
+
+    def uses_lora(self, name: str) -> bool:
+        """Whether a queued or running request is served by adapter ``name``."""
+        return any(req.params.lora == name for req in self.requests.values())
 
     def _admit(self, scheduled: list[Scheduled], budget: int, spec: SpecDecodePolicy | None,
                imports: list[tuple[list[int], RankPayloads]], speculating: list[tuple[int, list[int]]]) -> int:
@@ -218,9 +235,16 @@ class Scheduler:
                 continue
             match: PrefixMatch | None = None
             if cache is not None and req.num_computed_tokens == 0:
-                match = cache.match_prefix(req.all_token_ids, req.namespace)  # read-only
+                match = cache.match_prefix(req.all_token_ids, req.cache_namespace)  # read-only
+            if req.params.lora is not None:
+                # Its adapter in a slot first: with every slot pinned by other adapters it waits.
+                assert self.lora is not None, "the engine refuses adapters when LoRA is off"
+                req.lora_slot = self.lora.acquire(req.params.lora)
+                if req.lora_slot is None:
+                    break
             fit = self._fit(req, match, budget)
             if fit is None:
+                self._unpin_lora(req)
                 break
             match, n = fit
             start = req.num_computed_tokens if match is None else match.num_tokens
@@ -232,6 +256,7 @@ class Scheduler:
                 # prefix taken just now is to give back.
                 if match is not None:
                     self.kv.release(req)
+                self._unpin_lora(req)
                 break
             if match is not None and req.num_preemptions == 0:
                 self._count_prefix_hit(req, match.num_tokens)
@@ -368,9 +393,16 @@ class Scheduler:
 
     # ---------------------------------------------------------------- release
     def _release(self, req: Request) -> None:
-        """Give back ``req``'s pages; only KV a step has written goes into the prefix cache."""
+        """Give back ``req``'s pages and LoRA slot; only KV a step has written goes into the prefix cache."""
         drop_unwritten(req)
         self.kv.release(req)
+        self._unpin_lora(req)
+
+    def _unpin_lora(self, req: Request) -> None:
+        if req.lora_slot is not None:
+            assert self.lora is not None
+            self.lora.release(req.lora_slot)
+            req.lora_slot = None
 
     def _end(self, req: Request, reason: str) -> None:
         self.requests.pop(req.request_id, None)

@@ -16,7 +16,8 @@ class SchedulerConfig:
     plus one per decode). Without chunked prefill a prompt must fit the budget
     in one step, so the budget must be at least ``max_model_len``.
     Preemption is not configurable: the newest running request goes first
-    (see ``scheduling.scheduler``).
+    (see ``scheduling.scheduler``). ``max_loras``: LoRA adapters resident at
+    once (``scheduling.lora_slots``); 0 without LoRA.
     """
 
     max_model_len: int = 2048
@@ -26,6 +27,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     speculative_config: SpeculativeConfig | None = None
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):

@@ -11,9 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from actors.config import EngineConfig
+from actors.runner.lora_manager import LoRAInfo
 from kvcache.kv_pool import KVCapacity
 from kvcache.kv_transfer import KVLayout, KVPayload
 from scheduling.batch import Batch, StepOutput
+from scheduling.errors import InvalidParameterError
 
 
 class Executor(ABC):
@@ -34,7 +36,18 @@ class Executor(ABC):
 
     @abstractmethod
     def restart(self) -> None:
-        """Rebuild the shards after an ``ExecutorFailure``; the KV pool starts empty."""
+        """Rebuild the shards after an ``ExecutorFailure``; the KV pool and LoRA slots start empty."""
+
+    def add_lora(self, name: str, path: str) -> LoRAInfo:
+        """Register a LoRA adapter on every shard; a refusal raises ``InvalidParameterError`` and registers nothing.
+
+        This default serves none (an executor without model shards, such as a test's stand-in).
+        """
+        raise InvalidParameterError("enable_lora", f"{type(self).__name__} serves no LoRA adapters")
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter on every shard (no step uses it any more); this default holds none to forget."""
+        return None
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -59,6 +72,12 @@ class LocalExecutor(Executor):
 
     def restart(self) -> None:
         """In-process there is no shard to lose: nothing to rebuild."""
+
+    def add_lora(self, name: str, path: str) -> LoRAInfo:
+        return self.runner.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.runner.remove_lora(name)
 
     def shutdown(self) -> None:
         """Nothing to stop in-process; the runner's tensors go with this object."""

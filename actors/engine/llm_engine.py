@@ -17,6 +17,7 @@ from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.disaggregation import collect_exports
 from actors.engine.executor import Executor, LocalExecutor
+from actors.engine.lora_registry import LoRARegistry
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from actors.engine.prompt_ids import text_ids
 from actors.grammar.compiler import GrammarCompiler
@@ -55,6 +56,7 @@ class LLMEngine:
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         self.allocator = PageAllocator(self.executor.capacity.num_pages)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
+        self.loras = LoRARegistry(config, self.executor, self.scheduler)
         self._seqs: dict[str, _Sequence] = {}  # scheduler request id -> state
         self._groups: dict[str, list[str]] = {}  # client request id -> scheduler ids
         # The batch whose step failed between schedule() and the scheduler's update (its token
@@ -108,6 +110,7 @@ class LLMEngine:
         """
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        self.loras.check(params)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad:
@@ -193,8 +196,10 @@ class LLMEngine:
         batch, self._failed_batch = self._failed_batch, None
         if batch is not None:
             self._settle(batch)
-        if kv_lost and self.scheduler.cache is not None:
-            self.scheduler.cache.reset()
+        if kv_lost:
+            if self.scheduler.cache is not None:
+                self.scheduler.cache.reset()
+            self.loras.shards_restarted()
         return deltas
 
     def _end_group(self, request_id: str, reason: str, error: str | None) -> list[SequenceDelta]:
@@ -322,6 +327,7 @@ class LLMEngine:
         for rid in dict.fromkeys(refused):  # a masked token the grammar then refused: a bug, never quiet
             logger.error("request %s: a sampled token broke its output constraint; ending it", rid)
             deltas += self._end_group(rid, "error", "the output constraint refused a sampled token")
+        self.loras.finish_unloads()
         return deltas
 
     def _accept(self, seq_id: str, tokens: list[int]) -> bool:

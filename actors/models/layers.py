@@ -19,6 +19,7 @@ from torch import nn
 from actors.models import cpu_linear
 from actors.models.embedding import ParallelLMHead as ParallelLMHead
 from actors.models.embedding import VocabParallelEmbedding as VocabParallelEmbedding
+from actors.models.lora import LoRAWeights
 from actors.models.quant_linear import (
     INT4_OUT_MULTIPLE,
     Int4Codes,
@@ -90,6 +91,24 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         self.packed: torch.Tensor | None = None  # the oneDNN-packed weight, once pack_for_cpu() ran
         self.quant: QuantizedLinear | None = None
         self._staged: Int4Staging | None = None
+        self.lora: LoRAWeights | None = None  # resident adapters (``actors.models.lora``), with enable_lora
+
+    def lora_dims(self, shard_id: str | int | None) -> tuple[int, int]:
+        """The full (in, out) features of part ``shard_id``, as a checkpoint (and a LoRA adapter) holds it."""
+        return self.in_features, self.out_features * self.tp_size
+
+    def lora_slice(
+        self, shard_id: str | int | None, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of part ``shard_id``'s LoRA ``a`` (r, in) and ``b`` (out, r).
+
+        Column-parallel (this default): all of ``a``; ``b``'s rows this rank
+        keeps, placed where the part's outputs sit in the fused layer (zeros
+        elsewhere), exactly as ``_copy_shard`` places the base weight.
+        """
+        local_b = b.new_zeros(self.out_features, b.shape[1])
+        self._copy_shard(local_b, b, shard_id)
+        return a, local_b
 
     def _param(self, param_name: str) -> nn.Parameter:
         param = getattr(self, param_name)
@@ -183,7 +202,8 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         return cpu_linear.dense(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        y = self._linear(x, self.bias)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -215,6 +235,10 @@ class MergedColumnParallelLinear(ParallelLinear):
         self.shard_sizes = [_divide(o, tp_size, "output features") for o in out_features]
         super().__init__(in_features, sum(self.shard_sizes), bias, tp_rank, tp_size)
 
+    def lora_dims(self, shard_id: str | int | None) -> tuple[int, int]:
+        assert isinstance(shard_id, int)
+        return self.in_features, self.shard_sizes[shard_id] * self.tp_size
+
     def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Load full projection number ``shard_id`` into its place in the fused weight."""
         assert isinstance(shard_id, int)
@@ -244,6 +268,7 @@ class QKVParallelLinear(ParallelLinear):
         tp_size: int = 1,
     ) -> None:
         self.head_dim = head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
         self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
         if num_kv_heads >= tp_size:
             self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
@@ -254,6 +279,10 @@ class QKVParallelLinear(ParallelLinear):
             self.kv_head_start = tp_rank // replicas
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+
+    def lora_dims(self, shard_id: str | int | None) -> tuple[int, int]:
+        heads = self.total_heads if shard_id == "q" else self.total_kv_heads
+        return self.in_features, heads * self.head_dim
 
     def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Load the full ``q``, ``k`` or ``v`` tensor (``shard_id``); keep this rank's heads."""
@@ -296,9 +325,23 @@ class RowParallelLinear(ParallelLinear):
         n = dst.shape[1]
         dst.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
+    def lora_dims(self, shard_id: str | int | None) -> tuple[int, int]:
+        return self.in_features * self.tp_size, self.out_features
+
+    def lora_slice(
+        self, shard_id: str | int | None, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns of ``a`` this rank's inputs meet, and all of ``b``: its partial delta joins the all-reduce."""
+        local_a = a.new_zeros(a.shape[0], self.in_features)
+        self._copy_shard(local_a, a, shard_id)
+        return local_a, b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._linear(x, self.bias)
+            y = self._linear(x, self.bias)
+            return y if self.lora is None else self.lora.add_delta(x, y)
         y = self._linear(x, None)
+        if self.lora is not None:  # a partial delta, like the partial product: summed by the all-reduce
+            y = self.lora.add_delta(x, y)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias

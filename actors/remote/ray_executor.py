@@ -29,6 +29,7 @@ from actors.log import get_logger
 from actors.remote.shard_actor import ModelShardActor, ShardConfigError, ShardInfo
 from actors.remote.shard_groups import group_name, reap_orphans
 from actors.remote.step_channel import StepChannelError, StepClient, new_key
+from actors.runner.lora_manager import LoRAInfo
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
@@ -78,6 +79,7 @@ class RayExecutor(Executor):
         self._on_cuda = config.resolved_device().type == "cuda"
         self._pg: PlacementGroup | None = None
         self._shards: list[Any] = []  # Ray actor handles, index = rank
+        self._loras: dict[str, str] = {}  # registered LoRA adapters (name -> folder), replayed on restart
         self._channel: StepClient | None = None  # the per-step data path to every rank
         self.shard_infos: list[ShardInfo] = []
         self._start(config)
@@ -107,13 +109,39 @@ class RayExecutor(Executor):
         return with_rank_exports(out, outputs) if batch.kv_exports else out
 
     def restart(self) -> None:
-        """Kill what is left, then build a fresh group (new port, empty KV pools).
+        """Kill what is left, then build a fresh group (new port, empty KV pools and LoRA slots).
 
         The pool size is pinned to the first start's: the scheduler's page
         allocator was sized from it and must keep meaning the same pages.
+        The registered LoRA adapters are registered again on the new shards.
         """
         self.shutdown()
         self._start(replace(self.config, num_kv_pages=self.capacity.num_pages))
+        for name, path in self._loras.items():
+            self._add_lora_on_shards(name, path)
+
+    def add_lora(self, name: str, path: str) -> LoRAInfo:
+        info = self._add_lora_on_shards(name, path)
+        self._loras[name] = path
+        return info
+
+    def remove_lora(self, name: str) -> None:
+        self._loras.pop(name, None)
+        if self._shards:
+            self._gather([s.remove_lora.remote(name) for s in self._shards], self.start_timeout_s, "remove_lora")
+
+    def _add_lora_on_shards(self, name: str, path: str) -> LoRAInfo:
+        """Every shard reads its share; one refusal removes it from the others and raises (the group stays up)."""
+        if not self._shards:
+            raise ExecutorFailure("the shard group is down after a failure; call restart() first")
+        results = self._gather([s.add_lora.remote(name, path) for s in self._shards], self.start_timeout_s, "add_lora")
+        refused = [r for r in results if isinstance(r, ShardConfigError)]
+        if refused:
+            self._gather([s.remove_lora.remote(name) for s in self._shards], self.start_timeout_s, "remove_lora")
+            raise InvalidParameterError(refused[0].param, refused[0].message)
+        info = results[0]
+        assert isinstance(info, LoRAInfo), type(info)
+        return info
 
     def shutdown(self) -> None:
         """Kill every shard and remove the placement group (idempotent)."""

@@ -36,6 +36,7 @@ from actors.remote.distributed import (
     node_ip,
 )
 from actors.remote.step_channel import ChannelAddress, StepServer
+from actors.runner.lora_manager import LoRAInfo
 from actors.runner.model_runner import ModelRunner
 from kvcache.kv_pool import KVCapacity
 from kvcache.kv_transfer import KVLayout
@@ -123,6 +124,20 @@ class ModelShardActor:
             raise RuntimeError(f"shard rank {self.rank} executed before start()")
         out = runner.execute(batch)
         return out if self.rank == 0 or batch.kv_exports else None
+
+    def add_lora(self, name: str, path: str) -> LoRAInfo | ShardConfigError:
+        """Register a LoRA adapter; a refusal comes back as a value, so the group stays up."""
+        runner = self._runner
+        if runner is None:
+            raise RuntimeError(f"shard rank {self.rank}: add_lora() before start()")
+        try:
+            return runner.add_lora(name, path)
+        except InvalidParameterError as err:
+            return ShardConfigError(err.param, err.message)
+
+    def remove_lora(self, name: str) -> None:
+        if self._runner is not None:
+            self._runner.remove_lora(name)
 
     def open_channel(self, key: bytes) -> ChannelAddress:
         """Listen for the executor's step channel on this node; ``key`` authenticates it."""

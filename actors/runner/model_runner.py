@@ -19,6 +19,7 @@ from actors.log import get_logger
 from actors.models.layers import ParallelLinear
 from actors.runner.decode_graphs import DecodeGraphs
 from actors.runner.draft_runner import DraftRunner
+from actors.runner.lora_manager import LoRAInfo, LoRAManager
 from actors.runner.sampler import SampledRows, Sampler
 from actors.runner.spec_verify import count_accepted, expand_sampling, sample_rows
 from kvcache import device_copy
@@ -183,6 +184,12 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.seed)
         self.drafter = make_drafter(config, self, rank=rank, world_size=world_size)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                m.model.layers, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                max_cpu_loras=config.resolved_max_cpu_loras(), dtype=self.dtype, device=self.device,
+            )  # fmt: skip
         # Last: capturing runs the model, which must be complete.
         self.graphs: DecodeGraphs | None = None
         if config.resolved_cuda_graphs():
@@ -195,6 +202,16 @@ class ModelRunner:
     @property
     def num_pages(self) -> int:
         return self.capacity.num_pages
+
+    def add_lora(self, name: str, path: str) -> LoRAInfo:
+        """Register a LoRA adapter (read and checked against this shard; ``enable_lora`` only)."""
+        if self.lora is None:
+            raise InvalidParameterError("enable_lora", "this engine was started without LoRA (enable_lora=False)")
+        return self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(name)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
@@ -218,7 +235,13 @@ class ModelRunner:
         """
         if batch.kv_imports:
             self._import_kv(batch.kv_imports)
-        return self._run(batch)
+        if self.lora is None:
+            return self._run(batch)
+        self.lora.begin_step(batch)
+        try:
+            return self._run(batch)
+        finally:
+            self.lora.end_step()
 
     def _import_kv(self, imports: list[tuple[list[int], RankPayloads]]) -> None:
         """Write this rank's payload of each import into its pages."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from tests.actors.checkpoints import (
     qwen2_config,
     write_checkpoint,
 )
+from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -214,3 +216,28 @@ def test_shard_start_error_is_the_user_error(ray_cluster: None, llama_case: tupl
         LLM(str(folder), tensor_parallel_size=3, executor="ray", **ENGINE)
     assert err.value.param == "tensor_parallel_size"
     _assert_no_placement_group()
+
+
+def test_tp2_lora_matches_tp1(ray_cluster: None, llama_case: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
+    """LoRA on every projection split like its base layer: a mixed batch on two shards equals one shard's.
+
+    A refused adapter (its path missing) leaves the group up and registers nothing.
+    """
+    folder, _ = llama_case
+    adapter = make_peft_adapter(folder, tmp_path / "all", targets=PROJECTION_SETS["all"], rank=8, alpha=16, seed=5)
+    params = [replace(GREEDY, lora="task" if i % 2 else None) for i in range(len(PROMPTS))]
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    local = LLM(str(folder), **ENGINE, **lora)
+    local.load_lora("task", str(adapter))
+    want = [o.outputs[0].token_ids for o in local.generate(PROMPTS, params, use_tqdm=False)]
+    assert want != _tokens(local)  # the adapter shows
+    llm = LLM(str(folder), tensor_parallel_size=2, executor="ray", **ENGINE, **lora)
+    try:
+        with pytest.raises(InvalidParameterError) as err:
+            llm.load_lora("task", str(tmp_path / "missing"))
+        assert err.value.param == "lora_path" and llm.engine.loras.adapters == {}
+        llm.load_lora("task", str(adapter))
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+        _assert_pool_clean(llm)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,85 @@
+"""The engine's LoRA adapters by name: loading, unloading once their requests end, and checking requests.
+
+Loading reads the adapter on every shard (``Executor.add_lora``); a request
+names it in ``SamplingParams.lora``. Unloading stops new requests for the
+adapter at once and forgets it when none is queued or running and no step
+is in flight (``finish_unloads``, after each step): requests already in the
+engine finish with the adapter they started with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from actors.config import EngineConfig
+from actors.engine.executor import Executor
+from actors.runner.lora_manager import LoRAInfo
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams, check_lora_name
+from scheduling.scheduler import Scheduler
+
+
+class UnknownLoRAError(InvalidParameterError):
+    """A request or an unload named an adapter this engine does not serve (the API answers 404)."""
+
+
+class LoRARegistry:
+    """Adapters of one engine; ``enabled`` mirrors ``EngineConfig.enable_lora``."""
+
+    def __init__(self, config: EngineConfig, executor: Executor, scheduler: Scheduler) -> None:
+        self.enabled = config.enable_lora
+        self.executor = executor
+        self.scheduler = scheduler
+        self.adapters: dict[str, LoRAInfo] = {}
+        self.unloading: set[str] = set()
+        self.load_seconds: dict[str, float] = {}  # how long each adapter took to load (metrics)
+        self.requests = Counter[str]()  # requests admitted per adapter (metrics)
+
+    def add(self, name: str, path: str) -> LoRAInfo:
+        check_lora_name(name, "lora_name")
+        if not self.enabled:
+            raise InvalidParameterError("enable_lora", "this engine was started without LoRA (enable_lora=False)")
+        if name in self.adapters:
+            raise InvalidParameterError("lora_name", f"an adapter named {name!r} is already loaded")
+        if not isinstance(path, str) or not path:
+            raise InvalidParameterError("lora_path", f"must be a folder path, got {path!r}")
+        start = time.perf_counter()
+        info = self.executor.add_lora(name, path)
+        self.load_seconds[name] = time.perf_counter() - start
+        self.adapters[name] = info
+        return info
+
+    def remove(self, name: str) -> None:
+        """Stop new requests for ``name``; it goes once its requests have ended (``finish_unloads``)."""
+        if name not in self.adapters or name in self.unloading:
+            raise UnknownLoRAError("lora_name", f"no adapter named {name!r} is loaded")
+        self.unloading.add(name)
+        self.finish_unloads()
+
+    def check(self, params: SamplingParams) -> None:
+        """Refuse a request for an adapter that is not loaded (or is unloading)."""
+        name = params.lora
+        if name is None:
+            return
+        if not self.enabled:
+            raise InvalidParameterError("lora", "this engine serves no LoRA adapters (enable_lora=False)")
+        if name not in self.adapters or name in self.unloading:
+            raise UnknownLoRAError("lora", f"no adapter named {name!r} is loaded")
+        self.requests[name] += 1
+
+    def finish_unloads(self) -> None:
+        """Forget each unloading adapter no request uses, when no step is in flight (its batch may load it)."""
+        if not self.unloading or self.scheduler.has_step_in_flight:
+            return
+        for name in [n for n in self.unloading if not self.scheduler.uses_lora(n)]:
+            if self.scheduler.lora is not None:
+                self.scheduler.lora.forget(name)
+            self.executor.remove_lora(name)
+            del self.adapters[name]
+            self.unloading.discard(name)
+
+    def shards_restarted(self) -> None:
+        """The shards were rebuilt with empty LoRA slots: every adapter must be written again when used."""
+        if self.scheduler.lora is not None:
+            self.scheduler.lora.reset()

@@ -1,0 +1,157 @@
+"""A LoRA adapter in PEFT's format, read and checked: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+PEFT saves, per adapted module, ``base_model.model.<module>.lora_A.weight``
+of shape ``(r, in_features)`` and ``...lora_B.weight`` of shape
+``(out_features, r)``; the module's output gains ``scaling * x @ A^T @ B^T``
+with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+``use_rslora``). What flotilla serves: LoRA (``peft_type`` LORA) on any of the
+Llama family's seven projections (``LORA_TARGETS``), rank up to the engine's
+``max_lora_rank``. Anything else an adapter may carry (DoRA, trained biases,
+``modules_to_save``, per-module rank or alpha patterns, ``fan_in_fan_out``,
+embedding or head targets) changes what the model computes in ways these
+layers do not implement, so it is refused by name rather than ignored.
+
+Every refusal is an ``InvalidParameterError`` naming ``lora_path`` (the
+file is missing, malformed or unsupported, or was trained on another base)
+or ``max_lora_rank`` (the adapter's rank is above it): the API answers 400.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from scheduling.errors import InvalidParameterError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# HF module name -> where its weights live in our fused layers: (our module name, part).
+LORA_TARGETS: dict[str, tuple[str, str | int | None]] = {
+    "q_proj": ("self_attn.qkv_proj", "q"),
+    "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", None),
+}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_UNSUPPORTED = {  # adapter_config.json key -> why it cannot be honoured (when set)
+    "use_dora": "DoRA adapters (use_dora)",
+    "modules_to_save": "modules_to_save (fully trained copies of modules)",
+    "fan_in_fan_out": "fan_in_fan_out weights (Conv1D-style layers)",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "layer_replication": "layer_replication",
+}
+
+
+@dataclass(frozen=True)
+class LoRAPart:
+    """One adapted projection: layer ``layer``, our ``module`` (e.g. ``self_attn.qkv_proj``) part ``part``."""
+
+    layer: int
+    module: str
+    part: str | int | None
+    a: torch.Tensor  # (r, in_features), float32
+    b: torch.Tensor  # (out_features, r), float32, already times the adapter's scaling
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A checked adapter's weights on the host: what the runner writes into a slot."""
+
+    name: str
+    path: Path
+    rank: int
+    scaling: float
+    targets: tuple[str, ...]  # the HF module names it adapts, sorted
+    parts: tuple[LoRAPart, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in self.parts)
+
+
+def _refuse(path: Path, why: str) -> InvalidParameterError:
+    return InvalidParameterError("lora_path", f"adapter {str(path)!r}: {why}")
+
+
+def read_adapter(name: str, path: str | Path, *, max_rank: int, num_layers: int) -> LoRAAdapter:
+    """Read and check the PEFT adapter in folder ``path`` (shapes are checked against the model later)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise _refuse(folder, "no such folder")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise _refuse(folder, f"no {CONFIG_FILE}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise _refuse(folder, f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise _refuse(folder, f"{CONFIG_FILE} is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refuse(folder, f"peft_type {config.get('peft_type')!r} is not LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise _refuse(folder, f"{what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise _refuse(folder, f"trained biases (bias={config.get('bias')!r}) are not supported")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise _refuse(folder, f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise InvalidParameterError(
+            "max_lora_rank", f"adapter {str(folder)!r} has rank {rank}, above max_lora_rank {max_rank}"
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise _refuse(folder, f"lora_alpha must be a number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    try:
+        tensors = load_file(folder / WEIGHTS_FILE, device="cpu")
+    except FileNotFoundError:
+        raise _refuse(folder, f"no {WEIGHTS_FILE} (only the safetensors format is read)") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+    return LoRAAdapter(
+        name=name, path=folder, rank=rank, scaling=scaling,
+        targets=tuple(sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in tensors})),
+        parts=_parts(folder, tensors, rank, scaling, num_layers),
+    )  # fmt: skip
+
+
+def _parts(
+    folder: Path, tensors: dict[str, torch.Tensor], rank: int, scaling: float, num_layers: int
+) -> tuple[LoRAPart, ...]:
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise _refuse(folder, f"tensor {key!r} is not the lora_A/lora_B of a decoder layer's projection")
+        layer, hf_module, which = int(m.group(1)), m.group(3), m.group(4)
+        if hf_module not in LORA_TARGETS:
+            raise _refuse(folder, f"adapts {hf_module!r}; flotilla serves LoRA on {', '.join(LORA_TARGETS)}")
+        if layer >= num_layers:
+            raise _refuse(folder, f"adapts layer {layer}, and the base model has {num_layers} layers: "
+                                  "it was trained on another base model")  # fmt: skip
+        pairs.setdefault((layer, hf_module), {})[which] = tensor
+    if not pairs:
+        raise _refuse(folder, f"{WEIGHTS_FILE} holds no LoRA weights")
+    parts: list[LoRAPart] = []
+    for (layer, hf_module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise _refuse(folder, f"layer {layer} {hf_module} has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise _refuse(folder, f"layer {layer} {hf_module}: lora_A {tuple(a.shape)} and lora_B "
+                                  f"{tuple(b.shape)} do not have rank r={rank}")  # fmt: skip
+        module, part = LORA_TARGETS[hf_module]
+        parts.append(LoRAPart(layer, module, part, a.float(), b.float() * scaling))
+    return tuple(parts)

@@ -30,7 +30,9 @@
 - ``graceful_shutdown_timeout_s``: how long a replica being removed may take
   to finish its in-flight requests (it takes no new ones meanwhile; default 120);
 - ``replica_options``: Ray actor options of each ``LLMServer`` replica (e.g.
-  ``{"num_cpus": 0.1}``); ``max_ongoing_requests``.
+  ``{"num_cpus": 0.1}``); ``max_ongoing_requests``;
+- ``lora_modules``: LoRA adapters served by name, ``{name: folder}`` (PEFT
+  format; implies ``enable_lora``; ``apps.lora_serving``, docs/lora.md).
 
 Unknown keys are refused, naming the key.
 """
@@ -52,7 +54,7 @@ from scheduling.errors import InvalidParameterError
 
 # Passed to ``LLMServer``'s constructor.
 APP_OPTIONS = ("num_replicas", "served_model_name", "scheduler_options", "max_body_bytes",
-               "api_keys", "max_queued_requests", "scheduler_placement")
+               "api_keys", "max_queued_requests", "scheduler_placement", "lora_modules")
 # Deployment options (they shape the Serve deployment, not the replica object).
 DEPLOYMENT_OPTIONS = ("autoscaling", "request_router", "graceful_shutdown_timeout_s",
                       "replica_options", "max_ongoing_requests")
@@ -110,6 +112,14 @@ def build_app(args: dict[str, Any]) -> Application:
     args = dict(args)
     pd = split_pd(args) if "pd" in args else None
     engine, options = split_args(args)
+    if options.get("lora_modules"):
+        if not isinstance(options["lora_modules"], dict):
+            raise InvalidParameterError("lora_modules", "must map adapter names to their folders")
+        if engine.setdefault("enable_lora", True) is not True:
+            raise InvalidParameterError("lora_modules", "adapters need enable_lora=True")
+    if pd is not None and (engine.get("enable_lora") or options.get("lora_modules")):
+        raise InvalidParameterError("pd", "LoRA adapters are not served with prefill/decode pools: the prefill "
+                                          "pool would compute prompts without the request's adapter")
     if pd is not None:
         if "autoscaling" in options:
             raise InvalidParameterError("autoscaling", "with pd each pool scales on its own signals: set "

@@ -42,6 +42,7 @@ from actors.engine.stats import EngineStats
 from actors.remote.cpu_threads import ray_reserved_cpus, usable_cores
 from actors.remote.scheduler_actor import SchedulerService
 from actors.remote.step_messages import HealthStatus, StepMessage
+from actors.runner.lora_manager import LoRAInfo
 from scheduling.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -83,6 +84,15 @@ class LocalScheduler:
 
     def abort(self, request_id: str) -> Awaitable[bool]:
         return self.run(self.service.abort(request_id))
+
+    def add_lora(self, name: str, path: str) -> Awaitable[LoRAInfo]:
+        return self.run(self.service.add_lora(name, path))
+
+    def remove_lora(self, name: str) -> Awaitable[None]:
+        return self.run(self.service.remove_lora(name))
+
+    def loras(self) -> Awaitable[list[str]]:
+        return self.run(self.service.loras())
 
     def next_outputs(self, consumer_id: str, timeout_s: float) -> Awaitable[list[StepMessage]]:
         return self.run(self.service.next_outputs(consumer_id, timeout_s))

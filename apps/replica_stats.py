@@ -35,7 +35,7 @@ from actors.engine.stats import EngineStats, LatencyWindow
 from actors.remote.scheduler_handle import SchedulerHandle
 from apps.stream_fanout import StreamFanout
 from cluster.autoscaling_metrics import autoscaling_stats
-from cluster.request_router import ROUTING_NUM_OPEN
+from cluster.request_router import ROUTING_LORAS, ROUTING_NUM_OPEN, ROUTING_SERVED_MODEL
 
 STATS_TIMEOUT_S = 5.0  # below Serve's 10 s limit on record_autoscaling_stats
 HEALTH_TIMEOUT_S = 10.0  # a replica's wait for its scheduler's health or stats (check_health, /health, /metrics)
@@ -52,6 +52,7 @@ class ReplicaStats:
 
     _scheduler: SchedulerHandle
     _fanout: StreamFanout
+    model_name: str
     _recent_latency: LatencyWindow | None = None
 
     def latency_observer(
@@ -90,4 +91,5 @@ class ReplicaStats:
         """Requests open on this replica (the router's load figure for replicas it never used)."""
         stats = await self.engine_stats()
         return {ROUTING_NUM_OPEN: int(self._fanout.num_open), "num_waiting": stats.num_waiting,
-                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}
+                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, ROUTING_LORAS: list(stats.lora_adapters),
+                ROUTING_SERVED_MODEL: self.model_name}

@@ -23,9 +23,14 @@ Structured output (``response_format``, ``structured_outputs``) becomes
 ``tools``/``tool_choice`` shape the prompt, the constraint and a per-choice
 output parser (``apps.tool_choice``, ``apps.tool_prompt``, ``apps.tool_scanners``).
 
+LoRA (``enable_lora``, ``lora_modules``): the ``model`` field names the base
+model or an adapter of the application's catalog, which this replica loads
+on first use (``apps.lora_serving``).
+
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
 SSE), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
-``POST /detokenize``.
+``POST /detokenize``, ``POST /v1/load_lora_adapter``,
+``POST /v1/unload_lora_adapter``.
 
 No ``from __future__ import annotations`` here: FastAPI reads the route
 methods' annotations at runtime (a string ``Request`` became a body field).
@@ -37,6 +42,7 @@ import functools
 import time
 import uuid
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -61,6 +67,7 @@ from apps.disaggregation import (
 )
 from apps.errors import APIError
 from apps.local_scheduler import LocalScheduler
+from apps.lora_serving import ActorCatalog, ReplicaLoRAs
 from apps.prompt_encoder import PromptEncoder
 from apps.replica_stats import HEALTH_TIMEOUT_S, ReplicaStats
 from apps.request_body import read_body
@@ -86,6 +93,21 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[p.ChatMessage] | None = None
+
+
+class LoadLoRARequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's name and fields)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
 
 
 class DetokenizeRequest(BaseModel):
@@ -119,8 +141,11 @@ class LLMServer(ReplicaStats):
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
                  scheduler_placement: str = DEFAULT_PLACEMENT, prefill: DeploymentHandle | None = None,
                  remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
-                 remote_prefill_timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S) -> None:
+                 remote_prefill_timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
+                 lora_modules: dict[str, str] | None = None) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
+        if lora_modules and not self.config.enable_lora:
+            raise InvalidParameterError("lora_modules", "adapters need enable_lora=True")
         check_placement(scheduler_placement, scheduler_options)
         self.auth = ApiKeyAuth.resolve(api_keys)
         if max_queued_requests < 0:
@@ -145,6 +170,10 @@ class LLMServer(ReplicaStats):
             prefill, self._scheduler, min_tokens=remote_prefill_min_tokens, timeout_s=remote_prefill_timeout_s,
             record=self.metrics.record)
         self._fanout = StreamFanout(self._scheduler, replica_id, observer=self.latency_observer(self.metrics.observe))
+        catalog = ActorCatalog(serve.get_replica_context().app_name) if self.config.enable_lora else None
+        self.loras = ReplicaLoRAs(self._scheduler, catalog, self.model_name, record=self.metrics.record)
+        if catalog is not None:
+            catalog.register_now(lora_modules or {})
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
 
     async def check_health(self) -> None:
@@ -160,6 +189,7 @@ class LLMServer(ReplicaStats):
         status = await asyncio.wait_for(self._scheduler.health(), HEALTH_TIMEOUT_S)
         if not status.ok and not status.restarting:
             raise RuntimeError(f"the scheduler actor cannot serve: {status.message}")
+        await asyncio.wait_for(self.loras.sync(), HEALTH_TIMEOUT_S)  # adapters unloaded through other replicas
 
     def __del__(self) -> None:
         """Serve's shutdown hook: stop polling, then end the actor (it holds the model and KV pool)."""
@@ -188,7 +218,38 @@ class LLMServer(ReplicaStats):
             return error_json(exc)
         card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "flotilla", "max_model_len": self.config.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        try:
+            adapters = await self.loras.cards()
+        except Exception as exc:
+            return error_json(exc)
+        cards = [card] + [{**card, "id": name, "parent": self.model_name, "root": path}
+                          for name, path in sorted(adapters.items())]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Load a PEFT adapter for the whole application (checked by loading it on this replica)."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+            body = await read_body(request, self.max_body_bytes)
+            req = rq.parse_request(body, LoadLoRARequest, max_body_bytes=self.max_body_bytes)
+            info = await self.loras.load(req.lora_name, req.lora_path)
+        except Exception as exc:
+            return error_json(exc)
+        return JSONResponse({"object": "lora_adapter", "id": info.name, "parent": self.model_name,
+                             "root": info.path, "rank": info.rank, "target_modules": list(info.targets)})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Unload an adapter: refused for new requests at once, gone once its requests end."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+            body = await read_body(request, self.max_body_bytes)
+            req = rq.parse_request(body, UnloadLoRARequest, max_body_bytes=self.max_body_bytes)
+            await self.loras.unload(req.lora_name)
+        except Exception as exc:
+            return error_json(exc)
+        return JSONResponse({"object": "lora_adapter", "id": req.lora_name, "deleted": True})
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -215,7 +276,7 @@ class LLMServer(ReplicaStats):
             self.auth.check(request.headers.get("authorization"))
             body = await read_body(request, self.max_body_bytes)
             req = rq.parse_request(body, TokenizeRequest, max_body_bytes=self.max_body_bytes)
-            rq.check_model(req.model, self.model_name)
+            await self.loras.check_known(req.model)  # adapters share the base model's tokenizer
             if (req.prompt is None) == (req.messages is None):
                 raise APIError(400, "give exactly one of prompt or messages", param="prompt")
             if req.messages is not None:
@@ -235,7 +296,7 @@ class LLMServer(ReplicaStats):
             self.auth.check(request.headers.get("authorization"))
             body = await read_body(request, self.max_body_bytes)
             req = rq.parse_request(body, DetokenizeRequest, max_body_bytes=self.max_body_bytes)
-            rq.check_model(req.model, self.model_name)
+            await self.loras.check_known(req.model)
             bad = [t for t in req.tokens if not 0 <= t < len(self.tokenizer)]
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
@@ -265,9 +326,11 @@ class LLMServer(ReplicaStats):
             req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
             turns, tools = rq.chat_prompt(req, template_tools=self._encoder.supports_tools)
             ids = [await self._encoder.encode_chat(turns, tools)]
-        model = rq.check_model(req.model, self.model_name)
-        params = [rq.to_sampling_params(req, max_model_len=self.config.max_model_len, num_prompt_tokens=len(one))
-                  for one in ids]
+        lora = await self.loras.resolve(req.model)  # 404 for a name that is neither the base nor an adapter
+        model = req.model or self.model_name
+        params = [replace(rq.to_sampling_params(req, max_model_len=self.config.max_model_len,
+                                                num_prompt_tokens=len(one)), lora=lora)
+                  for one in ids]  # fmt: skip
         if len(ids) > 1 and self._fanout.num_open + len(ids) > self.capacity:
             raise APIError(429, f"this replica cannot take a batch of {len(ids)} prompts now; "
                                 f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")

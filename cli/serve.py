@@ -27,6 +27,7 @@ from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
 from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.kv_dtypes import KV_CACHE_DTYPES
+from scheduling.errors import InvalidParameterError
 from scheduling.json_object import parse_json_object
 
 DEFAULT_HOST = "127.0.0.1"
@@ -67,6 +68,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "directly), or compressed-tensors (GPTQ/AWQ checkpoints; found by itself too)")
     sp.add_argument("--quantization-group-size", type=int, default=None, choices=INT4_GROUP_SIZES,
                     help="int4 group size (default: 32 from GGUF blocks, else 128)")
+    sp.add_argument("--enable-lora", action="store_true", default=None,
+                    help="serve LoRA adapters (implied by --lora-modules; docs/lora.md)")
+    sp.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="PEFT adapters served by name: the request's model field picks one")
+    sp.add_argument("--max-loras", type=int, default=None, help="adapters in one step (device slots; default 4)")
+    sp.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
+    sp.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="adapters kept read on the host (default: --max-loras)")
     sp.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                     help="auto (= torch), torch, or flashinfer (CUDA with the cuda extra; docs/gpu.md)")
     sp.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -138,18 +147,34 @@ def elastic_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """``NAME=PATH`` items (vLLM's ``--lora-modules`` form) as ``{name: path}``; a bad item names the flag."""
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise InvalidParameterError("lora_modules", f"expected NAME=PATH, got {item!r}")
+        if name in modules:
+            raise InvalidParameterError("lora_modules", f"adapter {name!r} is given twice")
+        modules[name] = path
+    return modules
+
+
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_app`` arguments from the parsed command line (unset engine options keep defaults)."""
     out: dict[str, Any] = {"model": args.model, "num_replicas": args.replicas}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_pages",
                  "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads",
                  "speculative_config", "kv_cache_dtype", "quantization", "quantization_group_size",
-                 "attention_backend", "cuda_graphs"):
+                 "attention_backend", "cuda_graphs", "enable_lora", "max_loras", "max_lora_rank",
+                 "max_cpu_loras"):
         value = getattr(args, name)
         if value is not None:
             out[name] = value
     if args.tensor_parallel_size is not None and args.tensor_parallel_size > 1:
         out["executor"] = "ray"
+    if args.lora_modules:
+        out["lora_modules"] = parse_lora_modules(args.lora_modules)
     if args.served_model_name:
         out["served_model_name"] = args.served_model_name
     if args.api_keys:

@@ -58,8 +58,8 @@ class Family:
         return {exported}
 
 
-def _g(name: str, help: str) -> Family:
-    return Family(name, "gauge", help)
+def _g(name: str, help: str, labels: tuple[str, ...] = REPLICA_LABELS) -> Family:
+    return Family(name, "gauge", help, labels)
 
 
 def _c(name: str, help: str, labels: tuple[str, ...] = REPLICA_LABELS) -> Family:
@@ -98,6 +98,13 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
        "matchers, on the step's critical path."),
     _h("grammar_compile_seconds", "Time to compile one distinct output constraint (cached afterwards).",
        COMPILE_BUCKETS),
+    # LoRA (actors/engine/lora_registry): requests per adapter and how long loading each took here.
+    _c("lora_requests", "Requests admitted for a LoRA adapter, by adapter.", (*REPLICA_LABELS, "adapter")),
+    _g("lora_load_seconds", "Seconds this replica's engine took to load a LoRA adapter (read, checked, "
+       "cached on the host).", (*REPLICA_LABELS, "adapter")),
+    _c("lora_resident_hits", "Adapter requests that found their adapter already loaded on this replica "
+       "(over lora_resident_hits + lora_loads: the router's hit rate)."),
+    _c("lora_loads", "Adapters this replica loaded on a request's arrival (the request waited for the load)."),
     # Prefill/decode disaggregation, on decode replicas (apps.disaggregation): prompts prefilled on the
     # prefill pool, retries of failed prefills, KV bytes received and the time moving them took.
     _c("pd_remote_prefills", "Prompts this decode replica had computed on the prefill pool."),

@@ -226,6 +226,10 @@ class ReplicaMetrics:
         for kind, count in stats.structured_output_requests:
             self._advance("structured_output_requests", count, kind=kind)
         self._advance("structured_output_step_seconds", stats.structured_output_step_seconds)
+        for adapter, count in stats.lora_requests:
+            self._advance("lora_requests", count, adapter=adapter)
+        for adapter, seconds in stats.lora_load_seconds:
+            self._record("lora_load_seconds", seconds, adapter=adapter)
         self._observe_compiles(stats.grammar_compiles_total, stats.grammar_compile_seconds_recent)
         self._record("memory_used_bytes", stats.memory_used_bytes)
         self._record("memory_peak_bytes", stats.memory_peak_bytes)

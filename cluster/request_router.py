@@ -22,6 +22,15 @@ not the body: the replica pulls the body from the proxy after routing. So:
 - A ``DeploymentHandle`` caller that passes the request body (a dict with
   ``prompt`` or ``messages``, or a string) is routed on the prompt text itself.
 - Anything else: power of two choices, like Serve's default router.
+
+LoRA adapters come first: a request that names a model (``X-Flotilla-Model``,
+which the SDK sends, or ``model`` in a handle caller's body) goes to the
+least loaded replica that reports that adapter loaded (``ROUTING_LORAS`` in
+its routing stats), unless that one's queue exceeds the least loaded
+replica's by the imbalance threshold; with no such replica, to the least
+loaded one, which then loads it (``apps.lora_serving``). The prompt is still
+recorded under the pick. A plain OpenAI client sends no such header unless
+asked (``default_headers``): its adapter requests are routed on the prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +48,11 @@ from cluster.routing import PrefixRouterCore
 
 PREFIX_HEADER = b"x-flotilla-prefix"
 SESSION_HEADER = b"x-flotilla-session"
+MODEL_HEADER = b"x-flotilla-model"
+# The keys ``ReplicaStats.record_routing_stats`` reports the replica's loaded LoRA adapters and
+# its base model's served name under (a request for the base model is no adapter request).
+ROUTING_LORAS = "loras"
+ROUTING_SERVED_MODEL = "served_model"
 # The key ``ReplicaStats.record_routing_stats`` reports requests open on a replica under.
 ROUTING_NUM_OPEN = "num_open"
 ROUTER_CLASS = "cluster.request_router:PrefixAwareRequestRouter"
@@ -101,6 +115,21 @@ def routing_key(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutingKey | 
     return key_from_headers(scope.get("headers") or [])
 
 
+def requested_model(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """The model (maybe a LoRA adapter) a pending request names, or None."""
+    first = args[0] if args else kwargs.get("request", kwargs.get("body"))
+    if isinstance(first, Mapping):
+        model = first.get("model")
+        return model if isinstance(model, str) and model else None
+    scope = _scope(first)
+    if scope is None:
+        return None
+    for name, value in scope.get("headers") or []:
+        if name.lower() == MODEL_HEADER and value:
+            return str(value.decode("utf-8", errors="replace"))
+    return None
+
+
 class PrefixRouting:
     """The router's decisions on plain replica ids and loads (no Serve objects: unit-testable).
 
@@ -118,17 +147,33 @@ class PrefixRouting:
             max_chars_per_replica=max_chars_per_replica, ttl_s=ttl_s,
             imbalance_threshold=imbalance_threshold, min_match_chars=_SESSION_KEY_CHARS, seed=seed)
 
-    def rank(self, key: RoutingKey | None, loads: Mapping[str, float], now: float) -> list[list[str]]:
-        """``[[pick], [the others, shortest queue first]]`` (the second rank only if non-empty)."""
+    def rank(self, key: RoutingKey | None, loads: Mapping[str, float], now: float,
+             adapter_on: frozenset[str] | None = None) -> list[list[str]]:
+        """``[[pick], [the others, shortest queue first]]`` (the second rank only if non-empty).
+
+        ``adapter_on``: for a request naming a LoRA adapter, the replicas that
+        have it loaded (maybe none); None for other requests.
+        """
         if not loads:
             return []
         ids = list(loads)
-        if key is None:
+        if adapter_on is not None:
+            first = self._adapter_pick(adapter_on, loads)
+        elif key is None:
             first = self.prompts.power_of_two(ids, loads)
         else:
             first = self._core(key).choose(key.text, loads, now)
         rest = sorted((r for r in ids if r != first), key=lambda r: loads[r])
         return [[first], rest] if rest else [[first]]
+
+    def _adapter_pick(self, adapter_on: frozenset[str], loads: Mapping[str, float]) -> str:
+        """The least loaded replica with the adapter, within the imbalance bound; else the least loaded."""
+        least = min(loads, key=lambda r: loads[r])
+        holders = [r for r in loads if r in adapter_on]
+        if not holders:
+            return least
+        best = min(holders, key=lambda r: loads[r])
+        return best if loads[best] - loads[least] <= self.prompts.imbalance_threshold else least
 
     def record(self, key: RoutingKey | None, replica_id: str, now: float) -> None:
         """Remember that ``key`` went to ``replica_id`` (no-op for unkeyed requests)."""
@@ -195,8 +240,16 @@ class PrefixAwareRequestRouter(RequestRouter):
         by_id = {replica_key(r.replica_id): r for r in candidate_replicas}
         loads = {rid: self.replica_load(r) for rid, r in by_id.items()}
         key = routing_key(pending_request.args, pending_request.kwargs) if pending_request else None
+        model = requested_model(pending_request.args, pending_request.kwargs) if pending_request else None
+        adapter_on = None
+        stats = [r.routing_stats or {} for r in candidate_replicas]
+        if model is not None and any(s.get(ROUTING_LORAS) for s in stats) and all(
+            s.get(ROUTING_SERVED_MODEL) != model for s in stats
+        ):
+            adapter_on = frozenset(rid for rid, r in by_id.items()
+                                   if model in ((r.routing_stats or {}).get(ROUTING_LORAS) or ()))  # fmt: skip
         now = time.monotonic()
-        ranks = self._state().rank(key, loads, now)
+        ranks = self._state().rank(key, loads, now, adapter_on)
         if ranks:
             # Recorded at choice time: Serve 2.60 calls on_request_routed only on its
             # strict-queue path, and the first rank is refused only when a replica is

@@ -108,6 +108,9 @@ class Transport:
         if body is not None:
             data = json.dumps(body)
             headers["Content-Type"] = "application/json"
+            model = body.get("model") if isinstance(body, dict) else None
+            if isinstance(model, str) and model:  # the router cannot read the body (cluster.request_router)
+                headers[defaults.MODEL_HEADER] = model
         with translate_errors(what):
             resp = await self._http().request(method, self.config.base_url + path, data=data,
                                               headers=headers, timeout=self._timeout(timeout))

@@ -57,6 +57,10 @@ class LoRARegistry:
         self.unloading.add(name)
         self.finish_unloads()
 
+    def serving(self) -> list[str]:
+        """The adapters new requests may name."""
+        return [n for n in self.adapters if n not in self.unloading]
+
     def check(self, params: SamplingParams) -> None:
         """Refuse a request for an adapter that is not loaded (or is unloading)."""
         name = params.lora

@@ -131,6 +131,11 @@ class EngineStats:
     grammar_compile_seconds_recent: tuple[float, ...] = ()
     # Prompt tokens the waiting requests still have to compute (prefill load; P/D's prefill pool scales on it).
     num_waiting_prompt_tokens: int = 0
+    # LoRA (``actors.engine.lora_registry``): per loaded adapter, requests admitted (cumulative) and
+    # seconds its load took; adapters in the engine now (loaded, not unloading).
+    lora_requests: tuple[tuple[str, int], ...] = ()
+    lora_load_seconds: tuple[tuple[str, float], ...] = ()
+    lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +249,9 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         num_waiting_prompt_tokens=sum(
             r.num_prompt_tokens - r.num_computed_tokens for r in sched.waiting if r.kv_import is None),
         structured_output_step_seconds=round(engine.grammar_seconds_total, 6),
+        lora_requests=tuple(sorted(engine.loras.requests.items())),
+        lora_load_seconds=tuple(sorted((n, round(s, 6)) for n, s in engine.loras.load_seconds.items())),
+        lora_adapters=tuple(sorted(engine.loras.serving())),
         grammar_compiles_total=num_compiles,
         grammar_compile_seconds_recent=compile_seconds,
     )

@@ -38,6 +38,7 @@ from actors.log import get_logger
 from actors.remote.cpu_threads import engine_cpu_threads, engine_thread_init
 from actors.remote.step_loop import StepLoop
 from actors.remote.step_messages import HealthStatus, OutputRouter, StepMessage
+from actors.runner.lora_manager import LoRAInfo
 from scheduling.sampling_params import SamplingParams
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
@@ -189,6 +190,21 @@ class SchedulerService:
         """Prompt tokens this replica's prefix cache holds now (read-only; 0 without a cache)."""
         cache = self._engine.scheduler.cache
         return 0 if cache is None else cache.match_prefix(prompt_ids, namespace).num_tokens
+
+    async def add_lora(self, name: str, path: str) -> LoRAInfo:
+        """Load a LoRA adapter (read on the engine thread, between forwards); refusals raise ``InvalidParameterError``."""
+        async with self._steps.lock:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._engine.loras.add, name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter once its requests have ended (``LoRARegistry.remove``)."""
+        async with self._steps.lock:
+            self._engine.loras.remove(name)
+
+    async def loras(self) -> list[str]:
+        """The adapters this engine serves now."""
+        return self._engine.loras.serving()
 
     async def abort(self, request_id: str) -> bool:
         """End a request now and free its pages; False if unknown or already finished."""

@@ -25,6 +25,7 @@ from actors.engine.disaggregation import PrefillResult
 from actors.engine.stats import EngineStats
 from actors.remote.scheduler_actor import SchedulerActor
 from actors.remote.step_messages import HealthStatus, StepMessage
+from actors.runner.lora_manager import LoRAInfo
 from scheduling.sampling_params import SamplingParams
 
 
@@ -42,6 +43,12 @@ class SchedulerHandle(Protocol):
     def cached_prefix_tokens(self, prompt_ids: list[int], namespace: str | None = None) -> Awaitable[int]: ...
 
     def abort(self, request_id: str) -> Awaitable[bool]: ...
+
+    def add_lora(self, name: str, path: str) -> Awaitable[LoRAInfo]: ...
+
+    def remove_lora(self, name: str) -> Awaitable[None]: ...
+
+    def loras(self) -> Awaitable[list[str]]: ...
 
     def next_outputs(self, consumer_id: str, timeout_s: float) -> Awaitable[list[StepMessage]]: ...
 
@@ -89,6 +96,15 @@ class ActorScheduler:
 
     def abort(self, request_id: str) -> Awaitable[bool]:
         return self.actor.abort.remote(request_id)
+
+    def add_lora(self, name: str, path: str) -> Awaitable[LoRAInfo]:
+        return self.actor.add_lora.remote(name, path)
+
+    def remove_lora(self, name: str) -> Awaitable[None]:
+        return self.actor.remove_lora.remote(name)
+
+    def loras(self) -> Awaitable[list[str]]:
+        return self.actor.loras.remote()
 
     def next_outputs(self, consumer_id: str, timeout_s: float) -> Awaitable[list[StepMessage]]:
         return self.actor.next_outputs.remote(consumer_id, timeout_s)

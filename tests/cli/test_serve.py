@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from apps.builder import build_app
@@ -90,4 +92,22 @@ def test_pd_reaches_the_app_as_two_pools() -> None:
     build_app(args)
     with pytest.raises(InvalidParameterError) as err:
         _args("--model", "tiny", "--pd", '{"prefil": {}}')
+    assert err.value.param == "pd"
+
+
+def test_lora_flags_reach_the_app(tmp_path: Path) -> None:
+    args = _args("--model", "tiny", "--lora-modules", f"a={tmp_path}/a", "b=/x/b", "--max-loras", "2",
+                 "--max-lora-rank", "32")  # fmt: skip
+    assert args["lora_modules"] == {"a": f"{tmp_path}/a", "b": "/x/b"}
+    assert args["max_loras"] == 2 and args["max_lora_rank"] == 32 and "enable_lora" not in args
+    for bad in (["x"], ["=p"], ["a=p", "a=q"]):
+        with pytest.raises(InvalidParameterError) as err:
+            _args("--model", "tiny", "--lora-modules", *bad)
+        assert err.value.param == "lora_modules"
+    with pytest.raises(InvalidParameterError) as err:  # refused before Ray starts
+        build_app({**_args("--model", "tiny", "--lora-modules", "a=/p"), "enable_lora": False})
+    assert err.value.param == "lora_modules"
+    with pytest.raises(InvalidParameterError) as err:
+        build_app({**_args("--model", "tiny", "--enable-lora"),
+                   "pd": {"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}})
     assert err.value.param == "pd"

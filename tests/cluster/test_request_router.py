@@ -16,6 +16,7 @@ from cluster.request_router import (
     RoutingKey,
     key_from_headers,
     replica_key,
+    requested_model,
     router_config,
     routing_key,
 )
@@ -156,5 +157,49 @@ def test_serve_router_ranks_counts_and_forgets() -> None:
         assert router.replica_load(first) == 0.0
         router.update_replicas([r for r in replicas if r is not first])
         assert router._state().prompts.num_chars(replica_key(first.replica_id)) == 0
+
+    asyncio.run(scenario())
+
+
+def test_requested_model_from_the_sdk_header_or_a_handle_body() -> None:
+    assert requested_model([pickle.dumps(Scope([(b"X-Flotilla-Model", b"task-a")]))], {}) == "task-a"
+    assert requested_model([pickle.dumps(Scope([(b"x-flotilla-prefix", b"p")]))], {}) is None
+    assert requested_model([{"model": "task-b", "prompt": "x"}], {}) == "task-b"
+    assert requested_model([{"prompt": "x"}], {}) is None and requested_model([], {}) is None
+
+
+def test_adapter_requests_go_where_the_adapter_is_loaded_within_the_imbalance_bound() -> None:
+    routing = PrefixRouting(imbalance_threshold=2, seed=0)
+    loads = {"a": 0.0, "b": 1.0, "c": 2.0}
+    assert routing.rank(None, loads, 0.0, frozenset({"c", "b"}))[0] == ["b"]  # the least loaded holder
+    assert routing.rank(None, loads, 0.0, frozenset({"c"}))[0] == ["c"]  # 2 over the least: within the bound
+    assert routing.rank(None, {**loads, "c": 3.0}, 0.0, frozenset({"c"}))[0] == ["a"]  # beyond: least loaded
+    assert routing.rank(None, loads, 0.0, frozenset())[0] == ["a"]  # nowhere yet: least loaded loads it
+    # The adapter outranks prompt affinity (its prefix cache is per adapter anyway).
+    key = RoutingKey("prompt", DOC)
+    routing.record(key, "a", 0.0)
+    assert routing.rank(key, loads, 0.0, frozenset({"b"}))[0] == ["b"]
+
+
+def test_serve_router_uses_the_replicas_reported_adapters() -> None:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve._private.request_router.common import PendingRequest
+
+    async def scenario() -> None:
+        dep = DeploymentID(name="LLMServer", app_name="flotilla")
+        router = PrefixAwareRequestRouter(dep, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(imbalance_threshold=8, seed=0)
+        stats = [{"num_open": 0, "loras": [], "served_model": "base"},
+                 {"num_open": 3, "loras": ["task"], "served_model": "base"}]  # fmt: skip
+        replicas = [_replica(n, dep, s) for n, s in zip("ab", stats, strict=True)]
+
+        def pending(model: str) -> Any:
+            meta = SimpleNamespace(internal_request_id="r", multiplexed_model_id="")
+            return PendingRequest(args=[pickle.dumps(Scope([(b"x-flotilla-model", model.encode())]))],
+                                  kwargs={}, metadata=meta)  # fmt: skip
+
+        assert (await router.choose_replicas(replicas, pending("task")))[0][0] is replicas[1]
+        assert (await router.choose_replicas(replicas, pending("base")))[0][0] is replicas[0]  # p2c: least loaded
+        assert (await router.choose_replicas(replicas, pending("other")))[0][0] is replicas[0]
 
     asyncio.run(scenario())

@@ -1,0 +1,188 @@
+"""LoRA adapters across an application's replicas: one catalog of names, each replica loads on demand.
+
+The OpenAI ``model`` field picks the adapter: the served model's name is the
+base model, any other name must be in the application's catalog
+(``LoRACatalog``: adapter name -> folder). The catalog is filled from
+``lora_modules`` at start-up (every replica registers them; the same name
+with another folder is refused) and by ``POST /v1/load_lora_adapter``.
+A replica loads an adapter into its engine the first time a request for it
+arrives there (the router prefers replicas that have it: see
+``cluster.request_router``), so adding a replica costs no loads up front.
+
+``POST /v1/unload_lora_adapter`` removes the name from the catalog at once
+(new requests for it get 404 everywhere), unloads it from the receiving
+replica, whose engine finishes the requests already running on it first
+(``actors.engine.lora_registry``); every other replica drops it at its next
+``sync`` (Serve's health check, every 10 s).
+
+The catalog is a detached named Ray actor per Serve application, so it
+outlives any one replica (a replica restarted by Serve finds it); it stays
+after ``serve delete`` and is reused by the next deployment of that name.
+Adapter folders must be readable at the same path on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Protocol, cast
+
+import ray
+from ray.actor import ActorHandle
+
+from actors.remote.scheduler_handle import SchedulerHandle
+from actors.runner.lora_manager import LoRAInfo
+from apps.errors import APIError
+from apps.request_params import check_model
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import check_lora_name
+
+CATALOG_NAMESPACE = "flotilla"
+
+
+class LoRACatalog:
+    """Adapter name -> folder, for one application (run as a detached Ray actor)."""
+
+    def __init__(self) -> None:
+        self.paths: dict[str, str] = {}
+
+    def add(self, name: str, path: str) -> bool:
+        """Register ``name``; False (and nothing changes) if it is registered with another folder."""
+        known = self.paths.get(name)
+        if known is not None and known != path:
+            return False
+        self.paths[name] = path
+        return True
+
+    def remove(self, name: str) -> bool:
+        return self.paths.pop(name, None) is not None
+
+    def items(self) -> dict[str, str]:
+        return dict(self.paths)
+
+
+_RemoteCatalog = ray.remote(LoRACatalog)
+
+
+class CatalogHandle(Protocol):
+    """What a replica calls on its catalog (the Ray actor, or an in-process one in tests)."""
+
+    def add(self, name: str, path: str) -> Awaitable[bool]: ...
+
+    def remove(self, name: str) -> Awaitable[bool]: ...
+
+    def items(self) -> Awaitable[dict[str, str]]: ...
+
+
+class ActorCatalog:
+    """The application's catalog actor as a ``CatalogHandle`` (created by the first replica that asks)."""
+
+    def __init__(self, app_name: str) -> None:
+        # ray.remote's stubs type the handle as a union with the class itself.
+        self.actor = cast(ActorHandle, _RemoteCatalog.options(
+            name=f"lora-catalog:{app_name}", namespace=CATALOG_NAMESPACE, lifetime="detached",
+            get_if_exists=True, num_cpus=0,
+        ).remote())  # fmt: skip
+
+    def add(self, name: str, path: str) -> Awaitable[bool]:
+        return self.actor.add.remote(name, path)
+
+    def remove(self, name: str) -> Awaitable[bool]:
+        return self.actor.remove.remote(name)
+
+    def items(self) -> Awaitable[dict[str, str]]:
+        return self.actor.items.remote()
+
+    def register_now(self, modules: dict[str, str]) -> None:
+        """Put ``lora_modules`` in the catalog, waiting (a replica's constructor is synchronous).
+
+        Idempotent: every replica registers the same modules. A name the
+        catalog holds with another folder is refused.
+        """
+        for name, path in modules.items():
+            check_lora_name(name, "lora_modules")
+            if not isinstance(path, str) or not path:
+                raise InvalidParameterError("lora_modules", f"adapter {name!r}: the folder must be a path")
+            if not ray.get(self.actor.add.remote(name, path)):
+                raise InvalidParameterError(
+                    "lora_modules", f"adapter {name!r} is already registered with another folder"
+                )
+
+
+class ReplicaLoRAs:
+    """One replica's view: which adapters its engine has, loading them from the catalog on demand."""
+
+    def __init__(self, scheduler: SchedulerHandle, catalog: CatalogHandle | None, base_name: str,
+                 record: Callable[[str, float], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self._record = record or (lambda name, value: None)  # metrics: lora_resident_hits / lora_loads
+        self.catalog = catalog  # None: the engine runs without LoRA
+        self.base_name = base_name
+        self.loaded: dict[str, LoRAInfo] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
+
+    async def resolve(self, model: str | None) -> str | None:
+        """The adapter ``model`` names (None for the base model), loaded here first if needed; 404 if unknown."""
+        if model is None or model == self.base_name:
+            return None
+        if model in self.loaded:
+            self._record("lora_resident_hits", 1)
+            return model
+        listed = await self.catalog.items() if self.catalog is not None else {}
+        check_model(model, [self.base_name, *listed])  # 404 for any other name
+        path = listed[model]
+        lock = self._loading.setdefault(model, asyncio.Lock())
+        async with lock:  # concurrent first requests load it once
+            if model not in self.loaded:
+                self.loaded[model] = await self.scheduler.add_lora(model, path)
+                self._record("lora_loads", 1)
+            else:
+                self._record("lora_resident_hits", 1)
+        return model
+
+    async def check_known(self, model: str | None) -> None:
+        """404 unless ``model`` is the base model or an adapter of the catalog (nothing is loaded)."""
+        if model is None or model == self.base_name or model in self.loaded:
+            return
+        check_model(model, [self.base_name, *(await self.catalog.items() if self.catalog is not None else {})])
+
+    async def load(self, name: str, path: str) -> LoRAInfo:
+        """``POST /v1/load_lora_adapter``: checked by loading it here, then registered app-wide."""
+        check_lora_name(name, "lora_name")
+        catalog = self._catalog()
+        if name == self.base_name or name in await catalog.items():
+            raise InvalidParameterError("lora_name", f"the name {name!r} is already in use")
+        info = await self.scheduler.add_lora(name, path)
+        self.loaded[name] = info
+        if not await catalog.add(name, path):  # another replica registered it meanwhile
+            await self._unload_here(name)
+            raise InvalidParameterError("lora_name", f"the name {name!r} is already in use")
+        return info
+
+    async def unload(self, name: str) -> None:
+        """``POST /v1/unload_lora_adapter``: out of the catalog now, out of this engine once its requests end."""
+        if not await self._catalog().remove(name):
+            raise APIError(404, f"no adapter named {name!r} is loaded", param="lora_name", code="model_not_found")
+        await self._unload_here(name)
+
+    async def sync(self) -> None:
+        """Drop what the catalog no longer lists (unloaded through another replica)."""
+        if self.catalog is None or not self.loaded:
+            return
+        listed = await self.catalog.items()
+        for name in [n for n in self.loaded if n not in listed]:
+            await self._unload_here(name)
+
+    async def cards(self) -> dict[str, str]:
+        """Every adapter of the application: name -> folder."""
+        return {} if self.catalog is None else await self.catalog.items()
+
+    async def _unload_here(self, name: str) -> None:
+        if self.loaded.pop(name, None) is not None:
+            await self.scheduler.remove_lora(name)
+
+    def _catalog(self) -> CatalogHandle:
+        if self.catalog is None:
+            raise InvalidParameterError("enable_lora", "this application serves no LoRA adapters "
+                                                       "(start it with enable_lora or lora_modules)")  # fmt: skip
+        return self.catalog

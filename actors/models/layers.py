@@ -97,6 +97,10 @@ class ParallelLinear(nn.Module, metaclass=ABCMeta):
         """The full (in, out) features of part ``shard_id``, as a checkpoint (and a LoRA adapter) holds it."""
         return self.in_features, self.out_features * self.tp_size
 
+    def lora_part_sizes(self) -> list[int]:
+        """Each fused part's output columns on this rank, in ``shard_ids`` order."""
+        return [self.out_features]
+
     def lora_slice(
         self, shard_id: str | int | None, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,6 +243,9 @@ class MergedColumnParallelLinear(ParallelLinear):
         assert isinstance(shard_id, int)
         return self.in_features, self.shard_sizes[shard_id] * self.tp_size
 
+    def lora_part_sizes(self) -> list[int]:
+        return list(self.shard_sizes)
+
     def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Load full projection number ``shard_id`` into its place in the fused weight."""
         assert isinstance(shard_id, int)
@@ -283,6 +290,10 @@ class QKVParallelLinear(ParallelLinear):
     def lora_dims(self, shard_id: str | int | None) -> tuple[int, int]:
         heads = self.total_heads if shard_id == "q" else self.total_kv_heads
         return self.in_features, heads * self.head_dim
+
+    def lora_part_sizes(self) -> list[int]:
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
 
     def _copy_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """Load the full ``q``, ``k`` or ``v`` tensor (``shard_id``); keep this rank's heads."""

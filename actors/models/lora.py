@@ -1,15 +1,17 @@
 """LoRA on the linear layers: many adapters resident at once, mixed in one batch.
 
 Each LoRA-capable linear layer (``ParallelLinear``) gets a ``LoRAWeights``:
-for ``max_loras`` slots, ``A`` of shape ``(slots, in, parts * max_rank)`` and
-``B`` of shape ``(slots, parts * max_rank, out)`` on this rank, where
-``parts`` is the number of projections fused in the layer (q, k, v: 3; gate,
-up: 2; o and down: 1). Part ``i`` of an adapter occupies ranks ``i*max_rank
-.. i*max_rank + r`` of A's columns and the matching rows of B, and B's columns
-of part ``i``'s outputs only, so one pair of matmuls serves a fused layer; a
-smaller rank, or a projection the adapter leaves alone, is zeros. B holds
-``scaling * B`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), so the
-delta of a token on slot ``s`` is ``x @ A[s] @ B[s]``.
+for ``max_loras`` slots, ``A`` of shape ``(slots, in, parts * max_rank)`` and,
+per part, ``B[i]`` of shape ``(slots, max_rank, out_i)`` on this rank, where
+``parts`` are the projections fused in the layer (q, k, v: 3; gate, up: 2;
+o and down: 1) and ``out_i`` part ``i``'s share of the output columns. Part
+``i`` of an adapter occupies ranks ``i*max_rank .. i*max_rank + r`` of A's
+columns, so one matmul shrinks a token for every part, and each part's B
+expands only into its own columns (a B over the whole output would be mostly
+zeros: 3x the copies and products for q/k/v). A smaller rank, or a
+projection the adapter leaves alone, is zeros. B holds ``scaling * B``
+(``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), so the delta of a token
+on slot ``s`` is ``x @ A[s] @ B[s]``.
 
 Tensor parallelism slices like the base layer: column-parallel layers keep
 their rows of B (A is whole), row-parallel layers their columns of A (B is
@@ -45,7 +47,9 @@ class LoRAStep:
     ``gather``: (segments, segment_len) token rows, ``num_tokens`` for padding
     (a zero row appended to the input); ``slots``: each segment's slot;
     ``src``: for each LoRA token, its place in the flattened padded layout;
-    ``dst``: its row in the step.
+    ``dst``: its row in the step. ``slot_range``: ``(first, count)`` when the
+    segments are exactly slots ``first .. first+count-1``, one each;
+    ``whole_slot``: the slot of every token, when they all share one.
     """
 
     num_tokens: int
@@ -53,6 +57,8 @@ class LoRAStep:
     slots: torch.Tensor
     src: torch.Tensor
     dst: torch.Tensor
+    slot_range: tuple[int, int] | None = None
+    whole_slot: int | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], device: torch.device) -> LoRAStep | None:
@@ -70,7 +76,8 @@ class LoRAStep:
         slots: list[int] = []
         src: list[int] = []
         dst: list[int] = []
-        for slot, rows in by_slot.items():
+        for slot in sorted(by_slot):
+            rows = by_slot[slot]
             for start in range(0, len(rows), seg_len):
                 part = rows[start : start + seg_len]
                 base = len(gather) * seg_len
@@ -78,12 +85,15 @@ class LoRAStep:
                 dst.extend(part)
                 gather.append(part + [n] * (seg_len - len(part)))
                 slots.append(slot)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return cls(
             num_tokens=n,
             gather=as_device_tensor(gather, torch.long, device),
             slots=as_device_tensor(slots, torch.long, device),
             src=as_device_tensor(src, torch.long, device),
             dst=as_device_tensor(dst, torch.long, device),
+            slot_range=(slots[0], len(slots)) if consecutive else None,
+            whole_slot=slots[0] if len(by_slot) == 1 and num_lora == n else None,
         )
 
 
@@ -95,41 +105,68 @@ class LoRAContext:
 
 
 class LoRAWeights:
-    """The resident adapters' A and B of one linear layer (this rank's slice), by slot."""
+    """The resident adapters' A and B of one linear layer (this rank's slice), by slot.
+
+    ``part_sizes``: each fused part's output columns on this rank, in order.
+    """
 
     def __init__(
-        self, context: LoRAContext, *, max_loras: int, max_rank: int, parts: int, in_features: int,
-        out_features: int, dtype: torch.dtype, device: torch.device,
+        self, context: LoRAContext, *, max_loras: int, max_rank: int, part_sizes: list[int], in_features: int,
+        dtype: torch.dtype, device: torch.device,
     ) -> None:  # fmt: skip
         self.context = context
-        self.max_rank, self.parts = max_rank, parts
-        width = parts * max_rank
-        self.A = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
-        self.B = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+        self.max_rank = max_rank
+        self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
+        self.sizes = list(part_sizes)
+        self.A = torch.zeros(max_loras, in_features, len(part_sizes) * max_rank, dtype=dtype, device=device)
+        self.B = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for size in part_sizes]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.A.dtype
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
-        self.B[slot].zero_()
+        for b in self.B:
+            b[slot].zero_()
 
     def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part ``part`` of slot ``slot``: ``a`` (r, in) and ``b`` (out, r), this rank's, B already scaled.
 
         ``b``'s rows are the layer's whole output on this rank (zeros outside
-        the part's own columns), so a fused layer places each part itself.
+        the part's own columns, as ``ParallelLinear.lora_slice`` places them);
+        the part's own rows are kept.
         """
         r = a.shape[0]
         assert r <= self.max_rank and b.shape[1] == r, (a.shape, b.shape, self.max_rank)
         lo = part * self.max_rank
         self.A[slot, :, lo : lo + r].copy_(a.t())
-        self.B[slot, lo : lo + r, :].copy_(b.t())
+        own = b.narrow(0, self.offsets[part], self.sizes[part])
+        self.B[part][slot, :r, :].copy_(own.t())
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus each LoRA token's ``x @ A @ B`` (``y`` unchanged when the step has none)."""
+        """``y`` plus each LoRA token's ``x @ A @ B`` (``y`` unchanged when the step has none).
+
+        ``y`` is the layer's fresh output: the deltas are added into it in place.
+        """
         step = self.context.step
         if step is None:
             return y
         assert x.shape[0] == step.num_tokens, (x.shape, step.num_tokens)
+        rank = self.max_rank
+        if step.whole_slot is not None:  # every row on one adapter: plain matmuls, no gather
+            h = x @ self.A[step.whole_slot]
+            for i, b in enumerate(self.B):
+                y.narrow(1, self.offsets[i], self.sizes[i]).addmm_(h[:, i * rank : (i + 1) * rank], b[step.whole_slot])
+            return y
+        if step.slot_range is not None:
+            first, count = step.slot_range
+            a, bs = self.A.narrow(0, first, count), [b.narrow(0, first, count) for b in self.B]
+        else:
+            a, bs = self.A.index_select(0, step.slots), [b.index_select(0, step.slots) for b in self.B]
         xs = F.pad(x, (0, 0, 0, 1))[step.gather]  # (segments, seg_len, in); the pad row is zeros
-        h = torch.bmm(xs, self.A.index_select(0, step.slots))
-        delta = torch.bmm(h, self.B.index_select(0, step.slots)).flatten(0, 1)
-        return y.index_add(0, step.dst, delta.index_select(0, step.src).to(y.dtype))
+        h = torch.bmm(xs, a)  # (segments, seg_len, parts * rank)
+        for i, b in enumerate(bs):
+            delta = torch.bmm(h[:, :, i * rank : (i + 1) * rank], b).flatten(0, 1)
+            y.narrow(1, self.offsets[i], self.sizes[i]).index_add_(0, step.dst, delta.index_select(0, step.src))
+        return y

@@ -52,8 +52,8 @@ class LoRAManager:
                 linear = layer.get_submodule(module)
                 assert isinstance(linear, ParallelLinear), (module, type(linear))
                 linear.lora = LoRAWeights(
-                    self.context, max_loras=max_loras, max_rank=max_rank, parts=len(linear.shard_ids),
-                    in_features=linear.in_features, out_features=linear.out_features, dtype=dtype, device=device,
+                    self.context, max_loras=max_loras, max_rank=max_rank, part_sizes=linear.lora_part_sizes(),
+                    in_features=linear.in_features, dtype=dtype, device=device,
                 )  # fmt: skip
                 self.layers[(i, module)] = linear
         self.paths: dict[str, Path] = {}  # every registered adapter's folder
@@ -101,7 +101,7 @@ class LoRAManager:
                 linear = self.layers[(part.layer, part.module)]
                 assert linear.lora is not None
                 a, b = linear.lora_slice(part.part, part.a, part.b)
-                dtype = linear.lora.A.dtype
+                dtype = linear.lora.dtype
                 linear.lora.set_part(slot, linear.shard_ids.index(part.part),
                                      a.to(self.device, dtype), b.to(self.device, dtype))  # fmt: skip
             self.slot_names[slot] = name

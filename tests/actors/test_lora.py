@@ -273,3 +273,19 @@ def test_engine_config_refuses_what_lora_cannot_run_with() -> None:
                          speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # fmt: skip
     assert ngram.scheduler_config().max_loras == 4 and ngram.resolved_cuda_graphs() is False
     assert EngineConfig(device="cpu").scheduler_config().max_loras == 0
+
+
+def test_ngram_speculation_with_adapters_keeps_their_tokens(tiny_dir: Path, adapters: dict[str, Path]) -> None:
+    """Drafts are verified by the target with each sequence's adapter: the same greedy tokens as without them."""
+    prompts = [p * 3 for p in _prompts(7, 6)]  # repeats give the n-gram proposer something to draft
+    params = [replace(GREEDY, max_tokens=16, lora=[None, "a", "b"][i % 3]) for i in range(len(prompts))]
+    outs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = _engine(tiny_dir, max_loras=2, speculative_config=spec)
+        llm.load_lora("a", str(adapters["all"]))
+        llm.load_lora("b", str(adapters["qv"]))
+        outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if spec is not None:
+            assert llm.engine.scheduler.stats.spec_num_drafts > 0
+        assert_pool_clean(llm)
+    assert outs[True] == outs[False]

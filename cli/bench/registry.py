@@ -22,6 +22,7 @@ from typing import Protocol
 
 from cli.bench.accuracy import AccuracyBench
 from cli.bench.autoscale import AutoscaleBench
+from cli.bench.lora import LoRABench
 from cli.bench.offline import OfflineBench
 from cli.bench.pd import PDBench
 from cli.bench.ray_overhead import RayOverheadBench
@@ -52,6 +53,7 @@ BENCHES: tuple[Bench, ...] = (
     AccuracyBench(),
     StructuredBench(),
     PDBench(),
+    LoRABench(),
     SchedulerBench(),
     OfflineBench(),
     RayOverheadBench(),

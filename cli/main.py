@@ -21,6 +21,8 @@
                                       per-step cost of constrained decoding at a mixed batch of 32 (JSON)
   flotilla bench pd --model M [--json]
                                       decode streams + long prompts, colocated vs P/D-disaggregated (JSON)
+  flotilla bench lora --model M [--json]
+                                      step time with 1, 8, 32 LoRA adapters vs the base; slot cycling (JSON)
 
 Imports: the parser modules are light and imported here; each benchmark's
 runner (torch, Ray, the app) is imported when its subcommand runs, so that

@@ -103,7 +103,7 @@ def test_every_projection_set_matches_peft_and_a_mixed_batch_matches_each_alone(
     assert_pool_clean(llm)
 
 
-@pytest.mark.parametrize("targets", ["all", "qv"])
+@pytest.mark.parametrize("targets", ["all"])  # the seeded tiny models run every set; the real model costs ~25 s a set
 def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path, targets: str) -> None:
     adapter = make_peft_adapter(smollm2_dir, tmp_path / targets, targets=PROJECTION_SETS[targets], rank=16,
                                 alpha=32, seed=3, scale=0.02)  # fmt: skip

@@ -44,8 +44,12 @@ def _check_health(status: HealthStatus) -> None:
     """Run the deployment's ``check_health`` on a stand-in replica whose actor reports ``status``."""
     cls: Any = LLMServer.func_or_class  # type: ignore[attr-defined]
     method = next(vars(c)["check_health"] for c in cls.__mro__ if "check_health" in vars(c))
+    async def no_adapters_to_sync() -> None:
+        return None
+
     replica = SimpleNamespace(metrics=SimpleNamespace(start_reporting=lambda poll: None),
-                              _scheduler=SimpleNamespace(health=_Remote([status]), stats=_Remote([])))
+                              _scheduler=SimpleNamespace(health=_Remote([status]), stats=_Remote([])),
+                              loras=SimpleNamespace(sync=no_adapters_to_sync))
     asyncio.run(method(replica))
 
 

@@ -120,6 +120,7 @@ class FakeReplica(ReplicaStats):
             return STATS
 
         self._scheduler = SimpleNamespace(stats=stats)
+        self.model_name = "tiny"
         # As LLMServer.__init__ does: the fan-out's observer feeds the window, then the metrics.
         self._fanout = SimpleNamespace(num_open=4,
                                        _observer=self.latency_observer(lambda deltas: seen.append(len(deltas))))
@@ -135,6 +136,7 @@ def test_replica_reports_recent_latency_and_routing_load() -> None:
     assert asyncio.run(replica.record_autoscaling_stats())[METRIC_TTFT_P95_MS] == pytest.approx(200.0)
     routing = asyncio.run(replica.record_routing_stats())
     assert routing["num_open"] == 4 and routing["num_waiting"] == 3
+    assert routing["loras"] == list(STATS.lora_adapters) and routing["served_model"] == "tiny"
 
 
 def test_pending_scale_up_is_cancelled_once_the_load_is_gone() -> None:

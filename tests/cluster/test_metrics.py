@@ -138,7 +138,8 @@ def _spec_snapshot(scheduler: Scheduler, allocator: PageAllocator) -> EngineStat
     """``snapshot`` of an engine that is only a real scheduler (no model: the counters are all it reads here)."""
     engine = SimpleNamespace(scheduler=scheduler, allocator=allocator, num_unfinished_requests=0,
                              forward_seconds_total=0.0, grammar=SimpleNamespace(compile_seconds=lambda: (0, ())),
-                             constrained_requests={}, grammar_seconds_total=0.0)
+                             constrained_requests={}, grammar_seconds_total=0.0,
+                             loras=SimpleNamespace(requests={}, load_seconds={}, serving=lambda: []))
     return snapshot(cast("LLMEngine", engine), LatencyWindow())
 
 

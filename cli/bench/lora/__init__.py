@@ -14,8 +14,7 @@ import argparse
 import json
 
 from cli.bench.engine_options import engine_options
-
-BATCH_SIZE = 32  # the batch (``run`` reads it here: this module stays light, cli.bench.registry)
+from cli.bench.lora.batch import BATCH_SIZE
 
 
 class LoRABench:

@@ -53,8 +53,8 @@ from actors.engine.llm_engine import LLMEngine
 from actors.load.loader import resolve_model_path
 from apps.llm import LLM
 from cli.bench.harness import OFFLINE_ENGINE_DEFAULTS, offline_engine
-from cli.bench.lora import BATCH_SIZE
 from cli.bench.lora.adapters import write_adapters
+from cli.bench.lora.batch import BATCH_SIZE
 from cli.bench.stats import median_of_known, ratio
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams

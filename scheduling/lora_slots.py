@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-NO_LORA = -1  # the slot of a sequence served by the base model (as ``actors.models.lora``)
+NO_LORA = -1  # the slot of a sequence (and of its tokens in ``actors.models.lora``) served by the base model
 
 
 def cache_namespace(namespace: str | None, lora: str | None) -> str | None:

@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.device_copy import as_device_tensor
-
-NO_LORA = -1  # the slot of a token served by the base model
+from scheduling.lora_slots import NO_LORA
 
 
 @dataclass(frozen=True)

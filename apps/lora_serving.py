@@ -9,11 +9,15 @@ A replica loads an adapter into its engine the first time a request for it
 arrives there (the router prefers replicas that have it: see
 ``cluster.request_router``), so adding a replica costs no loads up front.
 
-``POST /v1/unload_lora_adapter`` removes the name from the catalog at once
-(new requests for it get 404 everywhere), unloads it from the receiving
-replica, whose engine finishes the requests already running on it first
-(``actors.engine.lora_registry``); every other replica drops it at its next
-``sync`` (Serve's health check, every 10 s).
+Every request for an adapter asks the catalog for its folder (one small
+actor call), so the catalog alone decides what is served:
+``POST /v1/unload_lora_adapter`` removes the name from the catalog, and from
+then on a request for it is 404 on every replica. The receiving replica
+unloads it from its engine, which finishes the requests already running on it
+first (``actors.engine.lora_registry``); another replica unloads it on the
+next request that names it, or at its next ``sync`` (Serve's health check,
+every 10 s). A name registered again with another folder is reloaded from
+the new folder.
 
 The catalog is a detached named Ray actor per Serve application, so it
 outlives any one replica (a replica restarted by Serve finds it); it stays
@@ -33,7 +37,7 @@ from ray.actor import ActorHandle
 from actors.remote.scheduler_handle import SchedulerHandle
 from actors.runner.lora_manager import LoRAInfo
 from apps.errors import APIError
-from apps.request_params import check_model
+from apps.request_params import unknown_model
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import check_lora_name
 
@@ -57,6 +61,9 @@ class LoRACatalog:
     def remove(self, name: str) -> bool:
         return self.paths.pop(name, None) is not None
 
+    def get(self, name: str) -> str | None:
+        return self.paths.get(name)
+
     def items(self) -> dict[str, str]:
         return dict(self.paths)
 
@@ -70,6 +77,8 @@ class CatalogHandle(Protocol):
     def add(self, name: str, path: str) -> Awaitable[bool]: ...
 
     def remove(self, name: str) -> Awaitable[bool]: ...
+
+    def get(self, name: str) -> Awaitable[str | None]: ...
 
     def items(self) -> Awaitable[dict[str, str]]: ...
 
@@ -89,6 +98,9 @@ class ActorCatalog:
 
     def remove(self, name: str) -> Awaitable[bool]:
         return self.actor.remove.remote(name)
+
+    def get(self, name: str) -> Awaitable[str | None]:
+        return self.actor.get.remote(name)
 
     def items(self) -> Awaitable[dict[str, str]]:
         return self.actor.items.remote()
@@ -125,26 +137,31 @@ class ReplicaLoRAs:
         """The adapter ``model`` names (None for the base model), loaded here first if needed; 404 if unknown."""
         if model is None or model == self.base_name:
             return None
-        if model in self.loaded:
-            self._record("lora_resident_hits", 1)
-            return model
-        listed = await self.catalog.items() if self.catalog is not None else {}
-        check_model(model, [self.base_name, *listed])  # 404 for any other name
-        path = listed[model]
+        path = await self._path(model)
         lock = self._loading.setdefault(model, asyncio.Lock())
         async with lock:  # concurrent first requests load it once
-            if model not in self.loaded:
-                self.loaded[model] = await self.scheduler.add_lora(model, path)
-                self._record("lora_loads", 1)
-            else:
+            held = self.loaded.get(model)
+            if held is not None and held.path == path:
                 self._record("lora_resident_hits", 1)
+                return model
+            if held is not None:  # unloaded and registered again with another folder
+                await self._unload_here(model)
+            self.loaded[model] = await self.scheduler.add_lora(model, path)
+            self._record("lora_loads", 1)
         return model
 
     async def check_known(self, model: str | None) -> None:
         """404 unless ``model`` is the base model or an adapter of the catalog (nothing is loaded)."""
-        if model is None or model == self.base_name or model in self.loaded:
-            return
-        check_model(model, [self.base_name, *(await self.catalog.items() if self.catalog is not None else {})])
+        if model is not None and model != self.base_name:
+            await self._path(model)
+
+    async def _path(self, model: str) -> str:
+        """The folder the catalog holds for ``model``; 404 (and unloaded here) if it holds none."""
+        path = await self.catalog.get(model) if self.catalog is not None else None
+        if path is None:
+            await self._unload_here(model)  # unloaded through another replica
+            raise unknown_model(model)
+        return path
 
     async def load(self, name: str, path: str) -> LoRAInfo:
         """``POST /v1/load_lora_adapter``: checked by loading it here, then registered app-wide."""

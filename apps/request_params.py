@@ -99,10 +99,13 @@ def check_model(requested: str | None, served: str | Sequence[str]) -> str:
     if requested is None:
         return names[0]
     if requested not in names:
-        raise APIError(
-            404, f"The model `{requested}` does not exist.", param="model", code="model_not_found"
-        )
+        raise unknown_model(requested)
     return requested
+
+
+def unknown_model(requested: str) -> APIError:
+    """The 404 for a ``model`` that is not served (OpenAI's wording and code)."""
+    return APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -59,6 +59,7 @@ class Request:
         "namespace",
         "cache_namespace",
         "lora_slot",
+        "lora_overtakes",
         "stop_rule",
         "status",
         "output_token_ids",
@@ -96,6 +97,7 @@ class Request:
         # The prefix-cache tree this request reads and fills: its namespace, and its adapter (params.lora).
         self.cache_namespace = cache_namespace(namespace, params.lora)
         self.lora_slot: int | None = None  # the LoRA slot it pins while running (``scheduling.lora_slots``)
+        self.lora_overtakes = 0  # steps in which later requests were admitted while it waited for a slot
         # When this sequence stops (and its text): the engine passes one with its detokenizer;
         # otherwise ``eos_token_id`` and ``params`` decide on tokens alone.
         self.stop_rule = StopRule(params, eos_token_id) if stop_rule is None else stop_rule

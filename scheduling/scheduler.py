@@ -10,7 +10,11 @@ waiting requests in order, reusing cached prefixes found at admission. A long
 prompt is split across steps (chunked prefill) and mixed with decodes in the
 same step.
 
-A waiting request that does not fit blocks the ones behind it (FCFS). Its
+A waiting request that does not fit blocks the ones behind it (FCFS). One
+exception: a request whose LoRA adapter cannot get a slot (every slot pinned
+by running requests of other adapters) is passed over by later requests whose
+adapters hold slots, in at most ``LORA_MAX_OVERTAKES`` steps; after that it
+blocks the queue, so the running adapters drain and free a slot for it. Its
 prefix lookup is read-only and its hit is counted only once it is admitted,
 so a request blocked for many steps costs one tree walk per step and counts
 once in the hit rate.
@@ -40,6 +44,9 @@ from scheduling.request_pages import RequestPages
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.scheduler_stats import SchedulerStats
 from scheduling.spec_decode import SpecDecodePolicy
+
+# Steps in which later requests may be admitted past one waiting for a LoRA slot (the starvation bound).
+LORA_MAX_OVERTAKES = 32
 
 # The draft tokens of a sequence that has none (shared, never mutated: the per-step hot path).
 _NO_DRAFTS: list[int] = []
@@ -224,24 +231,33 @@ class Scheduler:
                imports: list[tuple[list[int], RankPayloads]], speculating: list[tuple[int, list[int]]]) -> int:
         cfg = self.config
         cache = self.cache
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        i = 0  # the next candidate in ``waiting``; those before it wait for a LoRA slot
+        overtaken: list[Request] = []
+        admitted_past = False
+        while i < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[i]
             if req.kv_import is not None:  # its prompt KV came from a prefill replica
                 if not take_imported(self.kv, req, imports):
                     break
-                self._start_running(req)
+                self._start_running(i)
                 scheduled.append(Scheduled(req, 1, True, _NO_DRAFTS, 0))
                 budget -= 1
+                admitted_past = bool(overtaken)
                 continue
             match: PrefixMatch | None = None
             if cache is not None and req.num_computed_tokens == 0:
                 match = cache.match_prefix(req.all_token_ids, req.cache_namespace)  # read-only
             if req.params.lora is not None:
-                # Its adapter in a slot first: with every slot pinned by other adapters it waits.
+                # Its adapter in a slot first: with every slot pinned by other adapters it waits,
+                # passed over by requests of resident adapters until the starvation bound.
                 assert self.lora is not None, "the engine refuses adapters when LoRA is off"
                 req.lora_slot = self.lora.acquire(req.params.lora)
                 if req.lora_slot is None:
-                    break
+                    if req.lora_overtakes >= LORA_MAX_OVERTAKES:
+                        break
+                    overtaken.append(req)
+                    i += 1
+                    continue
             fit = self._fit(req, match, budget)
             if fit is None:
                 self._unpin_lora(req)
@@ -260,12 +276,16 @@ class Scheduler:
                 break
             if match is not None and req.num_preemptions == 0:
                 self._count_prefix_hit(req, match.num_tokens)
-            self._start_running(req)
+            self._start_running(i)
             samples = req.num_computed_tokens + n == req.num_tokens
             if spec is not None and samples:
                 speculating.append((len(scheduled), _NO_DRAFTS))
             scheduled.append(Scheduled(req, n, samples, _NO_DRAFTS, 0))
             budget -= n
+            admitted_past = bool(overtaken)
+        if admitted_past:
+            for req in overtaken:
+                req.lora_overtakes += 1
         return budget
 
     def _reserve_speculation(self, spec: SpecDecodePolicy, scheduled: list[Scheduled],
@@ -282,9 +302,10 @@ class Scheduler:
             drafts, propose = spec.reserve(self.kv, req, n, wanted)
             scheduled[k] = Scheduled(req, n + len(drafts), samples, drafts, propose)
 
-    def _start_running(self, req: Request) -> None:
-        """Move the head of ``waiting`` (``req``) into the running batch."""
-        self.waiting.popleft()
+    def _start_running(self, index: int) -> None:
+        """Move ``waiting[index]`` into the running batch."""
+        req = self.waiting[index]
+        del self.waiting[index]
         req.set_status(RequestStatus.RUNNING)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()

@@ -19,7 +19,7 @@ import socket
 import statistics
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +44,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+def wait_healthy(url: str, timeout_s: float = 300.0, alive: Callable[[], bool] | None = None) -> None:
+    """Until ``url/health`` answers 200; ``TimeoutError`` after ``timeout_s``, ``RuntimeError`` once ``alive``
+    (the server's process, when the caller started one) says it has gone."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if alive is not None and not alive():
+            raise RuntimeError(f"the server of {url} exited before it was healthy")
         with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
             if resp.status == 200:
                 return

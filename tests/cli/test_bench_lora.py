@@ -9,6 +9,7 @@ import pytest
 
 from actors.load.lora_adapter import LORA_TARGETS, read_adapter
 from cli.bench.lora.adapters import ProjectionShapes, write_adapters
+from cli.bench.lora.served import counter_totals
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 
@@ -64,3 +65,31 @@ def test_a_non_llama_config_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(InvalidParameterError, match="not a Llama-family config.json"):
         ProjectionShapes.of(tmp_path)
+
+
+@pytest.mark.parametrize(("flags", "name"), [
+    (["--served-replicas", "0"], "served_replicas"),
+    (["--served-requests", "-1"], "served_requests"),
+])
+def test_bad_served_settings_are_refused_by_name(flags: list[str], name: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "lora", "--served", "--model", "tiny", *flags]) == 2
+    assert name in capsys.readouterr().err
+
+
+def test_served_counters_are_read_per_replica_and_summed_over_adapters() -> None:
+    text = "\n".join([
+        "# TYPE flotilla:lora_requests counter",
+        'flotilla:lora_requests_total{model_name="tiny",replica="r1",adapter="a"} 3.0',
+        'flotilla:lora_requests_total{model_name="tiny",replica="r1",adapter="b"} 2.0',
+        'flotilla:lora_requests_total{model_name="tiny",replica="r2",adapter="a"} 4.0',
+        "# TYPE flotilla:lora_loads counter",
+        'flotilla:lora_loads_total{model_name="tiny",replica="r1"} 2.0',
+        "# TYPE flotilla:lora_resident_hits counter",
+        'flotilla:lora_resident_hits_total{model_name="tiny",replica="r1"} 3.0',
+        "# TYPE flotilla:engine_steps counter",
+        'flotilla:engine_steps_total{model_name="tiny",replica="r1"} 99.0',
+    ]) + "\n"
+    got = counter_totals(text)
+    assert got == {"r1": {"lora_requests": 5.0, "lora_resident_hits": 3.0, "lora_loads": 2.0},
+                   "r2": {"lora_requests": 4.0, "lora_resident_hits": 0.0, "lora_loads": 0.0}}

@@ -248,12 +248,17 @@ def test_env_switch_off_gives_torch_path(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_build_failure_warns_once_and_falls_back(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A source that cannot compile (as with no compiler): one warning, torch path, no crash."""
+    """Sources that cannot compile (as with no compiler): one warning, torch path, no crash.
+
+    Every source is the broken one: a good one would still compile beside it
+    (ninja finishes the jobs it started), a minute per variant for nothing.
+    """
     broken = tmp_path / "broken.cpp"
     broken.write_text('#error "no compiler today"\n')
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(cpu_kernels.ENV_SWITCH, raising=False)
-    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    for source in ("SOURCE", "QUANT_GEMM_SOURCE", "GEMV_SOURCE"):
+        monkeypatch.setattr(cpu_kernels, source, broken)
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpu_kernels, "_failed", False)
     with caplog.at_level(logging.WARNING, logger="flotilla.kvcache"):
@@ -284,12 +289,26 @@ def test_build_dir_and_supported_pools(ext: Any, monkeypatch: pytest.MonkeyPatch
 def test_two_processes_build_at_once_despite_stale_lock(
     ext: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fresh cache holding the lock file of a killed build: two processes build, both load."""
+    """A fresh cache holding the lock file of a killed build: two processes build, both load.
+
+    What is under test is the build's locking, not the kernels: the processes
+    build a module of bindings alone (seconds, where the kernels take a minute
+    a build), through the same ``load_extension``.
+    """
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(cpu_kernels.ENV_SWITCH, raising=False)
     cpu_kernels.build_dir("native").mkdir(parents=True)
     (cpu_kernels.build_dir("native") / "lock").touch()  # torch would wait on it forever
-    script = "from kvcache import cpu_kernels as c; assert c.load_extension() is not None"
+    sources = {"SOURCE": tmp_path / "bindings.cpp", "QUANT_GEMM_SOURCE": tmp_path / "one.cpp",
+               "GEMV_SOURCE": tmp_path / "two.cpp"}  # three files, as the real build has
+    sources["SOURCE"].write_text("#include <pybind11/pybind11.h>\nint flotilla_one();\n"
+                                 "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+                                 '  m.def("answer", []() { return 41 + flotilla_one(); });\n}\n')
+    sources["QUANT_GEMM_SOURCE"].write_text("int flotilla_one() { return 1; }\n")
+    sources["GEMV_SOURCE"].write_text("int flotilla_two() { return 2; }\n")
+    script = "from pathlib import Path; from kvcache import cpu_kernels as c; " + "".join(
+        f"c.{name} = Path({str(path)!r}); " for name, path in sources.items()
+    ) + "m = c.load_extension(); assert m is not None and m.answer() == 42"
     root = Path(__file__).resolve().parents[2]
     procs = [
         subprocess.Popen([sys.executable, "-c", script], cwd=root, stderr=subprocess.PIPE)

@@ -52,10 +52,24 @@ class LoRABench:
         cy.add_argument("--cycle-prompt-len", type=int, default=16, help="prompt tokens of each request")
         cy.add_argument("--cycle-max-tokens", type=int, default=16, help="output tokens of each request")
         cy.add_argument("--cycle-runs", type=int, default=3, help="alternating base/LoRA runs (medians)")
+        sv = parser.add_argument_group("served (--served: through flotilla serve, instead of the two above)")
+        sv.add_argument("--served", action="store_true",
+                        help="adapters chosen by model through `flotilla serve` with several replicas, and each "
+                             "router's hit rate of resident adapters (cli/bench/lora/served.py)")
+        sv.add_argument("--served-replicas", type=int, default=2)
+        sv.add_argument("--served-adapters", type=int, default=8, help="adapters registered with --lora-modules")
+        sv.add_argument("--served-requests", type=int, default=64, help="request i names adapter i mod adapters")
+        sv.add_argument("--served-concurrency", type=int, default=8, help="requests in flight")
+        sv.add_argument("--served-max-tokens", type=int, default=8)
+        sv.add_argument("--served-max-loras", type=int, default=4, help="each replica's adapter slots")
+        sv.add_argument("--served-router", choices=("prefix", "default", "both"), default="both")
+        sv.add_argument("--served-start-timeout-s", type=float, default=300.0)
         parser.add_argument("--progress", action="store_true", help="show progress bars on stderr")
         parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
     def run(self, args: argparse.Namespace) -> int:
+        if args.served:
+            return self._served(args)
         # Here, not at the top: import cost (cli.bench.registry).
         from cli.bench.lora.run import CycleSettings, format_table, run
 
@@ -67,4 +81,17 @@ class LoRABench:
         result = run(args.model, rank=args.rank, runs=args.runs, steps=args.steps, context=args.context,
                      seed=args.seed, cycle=cycle, progress=args.progress, **engine)
         print(json.dumps(result) if args.json else format_table(result))
+        return 0
+
+    @staticmethod
+    def _served(args: argparse.Namespace) -> int:
+        # Here, not at the top: import cost (cli.bench.registry); openai is the bench extra's.
+        from cli.bench.lora.served import ServedSettings, run_served
+
+        settings = ServedSettings(
+            model=args.model, replicas=args.served_replicas, adapters=args.served_adapters,
+            requests=args.served_requests, concurrency=args.served_concurrency, max_tokens=args.served_max_tokens,
+            rank=args.rank, max_loras=args.served_max_loras, router=args.served_router, seed=args.seed,
+            cpu_threads=args.cpu_threads or 1, start_timeout_s=args.served_start_timeout_s)  # fmt: skip
+        print(json.dumps(run_served(settings), indent=None if args.json else 2))
         return 0

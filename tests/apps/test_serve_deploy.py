@@ -51,7 +51,7 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         for proc in procs:  # every process this cluster started, by pid: TERM, then KILL stragglers
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=20)
+        _, alive = psutil.wait_procs(procs, timeout=5)  # the test is over: stragglers are killed below
         for proc in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()

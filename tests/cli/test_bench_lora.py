@@ -45,8 +45,9 @@ def test_a_whole_run_on_tiny(tiny_model_dir: Path, capsys: pytest.CaptureFixture
     cyc = out["cycling"]
     assert cyc["lora_output_tok_per_s"] > 0 and cyc["base_output_tok_per_s"] > 0
     assert cyc["per_run"][0]["lora"]["output_tokens"] == cyc["per_run"][0]["base"]["output_tokens"] == 6 * 3
-    # Three adapters through two slots: each is written into a slot at least once; the base writes none.
-    assert cyc["lora_slot_loads"] >= 3 and cyc["per_run"][0]["base"]["slot_loads"] == 0
+    # Three adapters through two slots: the one left out of the slots after the warm-up is written into
+    # one at least once; the base writes none.
+    assert cyc["lora_slot_loads"] >= 1 and cyc["per_run"][0]["base"]["slot_loads"] == 0
     # Requests wait for a slot, so the LoRA batches are smaller than the base's (all 6 at once).
     assert cyc["base_mean_seqs_per_step"] > cyc["lora_mean_seqs_per_step"]
 

@@ -19,7 +19,8 @@ whole) and add their partial delta before the all-reduce, which sums it.
 
 One step's rows are grouped by slot (``LoRAStep``, built once per step on the
 host): segments of at most ``segment_len`` tokens of one slot, padded to that
-length with a zero row. Every layer then gathers its tokens into ``(segments,
+length by repeating a row of the step (its delta is computed and dropped: only
+``src`` rows are added back). Every layer then gathers its tokens into ``(segments,
 segment_len, in)``, multiplies by each segment's A and B with two batched
 matmuls and adds the result back at its tokens: no Python loop over rows or
 adapters (punica's SGMV, in torch). Splitting long segments bounds the
@@ -33,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvcache.device_copy import as_device_tensor
 from scheduling.lora_slots import NO_LORA
@@ -43,10 +43,11 @@ from scheduling.lora_slots import NO_LORA
 class LoRAStep:
     """One step's token-to-slot grouping, as device index tensors (see the module docstring).
 
-    ``gather``: (segments, segment_len) token rows, ``num_tokens`` for padding
-    (a zero row appended to the input); ``slots``: each segment's slot;
-    ``src``: for each LoRA token, its place in the flattened padded layout;
-    ``dst``: its row in the step. ``slot_range``: ``(first, count)`` when the
+    ``gather``: (segments, segment_len) token rows (padding repeats the
+    segment's first row); ``slots``: each segment's slot; ``src``: for each
+    LoRA token, its place in the flattened padded layout, None when that is
+    every place in order (no padding: nothing to select); ``dst``: its row in
+    the step. ``slot_range``: ``(first, count)`` when the
     segments are exactly slots ``first .. first+count-1``, one each;
     ``whole_slot``: the slot of every token, when they all share one.
     """
@@ -54,7 +55,7 @@ class LoRAStep:
     num_tokens: int
     gather: torch.Tensor
     slots: torch.Tensor
-    src: torch.Tensor
+    src: torch.Tensor | None
     dst: torch.Tensor
     slot_range: tuple[int, int] | None = None
     whole_slot: int | None = None
@@ -82,14 +83,14 @@ class LoRAStep:
                 base = len(gather) * seg_len
                 src.extend(range(base, base + len(part)))
                 dst.extend(part)
-                gather.append(part + [n] * (seg_len - len(part)))
+                gather.append(part + [part[0]] * (seg_len - len(part)))
                 slots.append(slot)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         return cls(
             num_tokens=n,
             gather=as_device_tensor(gather, torch.long, device),
             slots=as_device_tensor(slots, torch.long, device),
-            src=as_device_tensor(src, torch.long, device),
+            src=None if len(src) == len(gather) * seg_len else as_device_tensor(src, torch.long, device),
             dst=as_device_tensor(dst, torch.long, device),
             slot_range=(slots[0], len(slots)) if consecutive else None,
             whole_slot=slots[0] if len(by_slot) == 1 and num_lora == n else None,
@@ -163,9 +164,10 @@ class LoRAWeights:
             a, bs = self.A.narrow(0, first, count), [b.narrow(0, first, count) for b in self.B]
         else:
             a, bs = self.A.index_select(0, step.slots), [b.index_select(0, step.slots) for b in self.B]
-        xs = F.pad(x, (0, 0, 0, 1))[step.gather]  # (segments, seg_len, in); the pad row is zeros
-        h = torch.bmm(xs, a)  # (segments, seg_len, parts * rank)
+        h = torch.bmm(x[step.gather], a)  # (segments, seg_len, parts * rank)
         for i, b in enumerate(bs):
             delta = torch.bmm(h[:, :, i * rank : (i + 1) * rank], b).flatten(0, 1)
-            y.narrow(1, self.offsets[i], self.sizes[i]).index_add_(0, step.dst, delta.index_select(0, step.src))
+            if step.src is not None:  # drop the padding rows
+                delta = delta.index_select(0, step.src)
+            y.narrow(1, self.offsets[i], self.sizes[i]).index_add_(0, step.dst, delta)
         return y

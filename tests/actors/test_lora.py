@@ -103,6 +103,27 @@ def test_every_projection_set_matches_peft_and_a_mixed_batch_matches_each_alone(
     assert_pool_clean(llm)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_mixed_batch_matches_peft(tiny_dir: Path, adapters: dict[str, Path]) -> None:
+    """The CUDA path (scripts/gpu_check.sh): two adapters and the base in one batch, each request as PEFT
+    gives it on the host in float32 (the device's float32 products sum in another order, well inside
+    the tolerance)."""
+    prompts = _prompts(5, 3)
+    names = ["all", "qv", ""]
+    llm = _engine(tiny_dir, device="cuda", attention_backend="torch", max_loras=2)
+    for name in names[:2]:
+        llm.load_lora(name, str(adapters[name]))
+    expected = {name: peft_greedy(tiny_dir, adapters[name] if name else None, prompts, MAX_TOKENS)
+                for name in names}  # fmt: skip
+    batch = [(p, name) for p in range(len(prompts)) for name in names]
+    outs = llm.generate([prompts[p] for p, _ in batch], [replace(GREEDY, logprobs=20, lora=name or None)
+                                                          for _, name in batch], use_tqdm=False)
+    for out, (p, name) in zip(outs, batch, strict=True):
+        _assert_matches([out], [expected[name][p]])
+    assert_pool_clean(llm)
+
+
 @pytest.mark.parametrize("targets", ["all"])  # the seeded tiny models run every set; the real model costs ~25 s a set
 def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path, targets: str) -> None:
     adapter = make_peft_adapter(smollm2_dir, tmp_path / targets, targets=PROJECTION_SETS[targets], rank=16,

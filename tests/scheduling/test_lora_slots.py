@@ -70,11 +70,12 @@ def test_step_grouping_covers_every_lora_token_once_within_twice_the_work(seed: 
     assert step is not None
     flat = step.gather.flatten().tolist()
     assert sorted(step.dst.tolist()) == lora_rows
-    assert [flat[i] for i in step.src.tolist()] == step.dst.tolist()
+    src = list(range(len(flat))) if step.src is None else step.src.tolist()
+    assert [flat[i] for i in src] == step.dst.tolist()
     seg_len = step.gather.shape[1]
     for seg, slot in enumerate(step.slots.tolist()):
-        rows = [r for r in step.gather[seg].tolist() if r != len(token_slots)]
-        assert rows and all(token_slots[r] == slot for r in rows)
+        rows = step.gather[seg].tolist()  # padding repeats a row of the segment's own slot
+        assert all(token_slots[r] == slot for r in rows)
     assert step.gather.numel() <= 2 * len(lora_rows) + seg_len  # the padding bound of the module docstring
     assert LoRAStep.build([NO_LORA] * 3, torch.device("cpu")) is None
 
@@ -83,10 +84,11 @@ def test_step_grouping_marks_the_shapes_that_need_no_copy() -> None:
     cpu = torch.device("cpu")
     decode = LoRAStep.build([2, 0, 1, 0, 2, 1], cpu)  # three adapters, two rows each: slots 0, 1, 2 in order
     assert decode is not None and decode.slot_range == (0, 3) and decode.whole_slot is None
-    assert decode.slots.tolist() == [0, 1, 2]
+    assert decode.slots.tolist() == [0, 1, 2] and decode.src is None  # no padding: nothing to select
     one = LoRAStep.build([3, 3, 3], cpu)
     assert one is not None and one.whole_slot == 3 and one.slot_range == (3, 1)
     mixed = LoRAStep.build([3, NO_LORA, 3], cpu)
     assert mixed is not None and mixed.whole_slot is None
     split = LoRAStep.build([0] * 5 + [1], cpu)  # slot 0 split into segments: no slice of the weights
     assert split is not None and split.slot_range is None and split.slots.tolist() == [0, 0, 1]
+    assert split.src is not None and split.gather.tolist() == [[0, 1, 2], [3, 4, 3], [5, 5, 5]]

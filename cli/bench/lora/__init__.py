@@ -6,6 +6,12 @@ Step time at batch 32 on the base model and with 1, 8 and 32 distinct
 adapters, and throughput while requests cycle through more adapters than
 ``max_loras`` (docs/lora.md). The run is ``run``; the seeded random
 adapters it serves ``adapters``.
+
+    flotilla bench lora --served --json
+
+Instead: adapters chosen by ``model`` through ``flotilla serve`` with two
+replicas, under flotilla's router and Serve's default, and each one's hit
+rate of resident adapters (``served``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvcache.device_copy import as_device_tensor
 from scheduling.lora_slots import NO_LORA
@@ -44,19 +45,28 @@ class LoRAStep:
     """One step's token-to-slot grouping, as device index tensors (see the module docstring).
 
     ``gather``: (segments, segment_len) token rows (padding repeats the
-    segment's first row); ``slots``: each segment's slot; ``src``: for each
-    LoRA token, its place in the flattened padded layout, None when that is
-    every place in order (no padding: nothing to select); ``dst``: its row in
-    the step. ``slot_range``: ``(first, count)`` when the
-    segments are exactly slots ``first .. first+count-1``, one each;
-    ``whole_slot``: the slot of every token, when they all share one.
+    segment's first row), ``gather_flat`` the same flattened; ``slots``: each
+    segment's slot; ``src``: for each LoRA token, its place in the flattened
+    padded layout, None when that is every place in order (no padding:
+    nothing to select); ``dst``: its row in the step. ``inverse``: for every
+    row of the step, its place in the flattened padded layout, or
+    ``segments * segment_len`` (a zero row the layer appends, when
+    ``base_rows``) for a base-model row; set when at least half the rows are
+    LoRA tokens, where reading every row back in order (a select and an add)
+    is cheaper than scattering the LoRA rows (``index_add_``).
+    ``slot_range``: ``(first, count)`` when the segments are exactly slots
+    ``first .. first+count-1``, one each; ``whole_slot``: the slot of every
+    token, when they all share one.
     """
 
     num_tokens: int
     gather: torch.Tensor
+    gather_flat: torch.Tensor
     slots: torch.Tensor
     src: torch.Tensor | None
     dst: torch.Tensor
+    inverse: torch.Tensor | None = None
+    base_rows: bool = False
     slot_range: tuple[int, int] | None = None
     whole_slot: int | None = None
 
@@ -86,9 +96,18 @@ class LoRAStep:
                 gather.append(part + [part[0]] * (seg_len - len(part)))
                 slots.append(slot)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        inverse: list[int] | None = None
+        if 2 * num_lora >= n:
+            inverse = [len(gather) * seg_len] * n  # base rows read the appended zero row
+            for place, row in zip(src, dst, strict=True):
+                inverse[row] = place
+        gather_t = as_device_tensor(gather, torch.long, device)
         return cls(
             num_tokens=n,
-            gather=as_device_tensor(gather, torch.long, device),
+            gather=gather_t,
+            gather_flat=gather_t.view(-1),
+            inverse=None if inverse is None else as_device_tensor(inverse, torch.long, device),
+            base_rows=num_lora < n,
             slots=as_device_tensor(slots, torch.long, device),
             src=None if len(src) == len(gather) * seg_len else as_device_tensor(src, torch.long, device),
             dst=as_device_tensor(dst, torch.long, device),
@@ -164,10 +183,19 @@ class LoRAWeights:
             a, bs = self.A.narrow(0, first, count), [b.narrow(0, first, count) for b in self.B]
         else:
             a, bs = self.A.index_select(0, step.slots), [b.index_select(0, step.slots) for b in self.B]
-        h = torch.bmm(x[step.gather], a)  # (segments, seg_len, parts * rank)
+        segments, seg_len = step.gather.shape
+        h = torch.bmm(x.index_select(0, step.gather_flat).view(segments, seg_len, -1), a)  # (.., parts * rank)
+        if len(bs) > 1:  # part-major, so each part's expand reads a contiguous (segments, seg_len, rank)
+            h = h.view(segments, seg_len, len(bs), rank).permute(2, 0, 1, 3).contiguous()
         for i, b in enumerate(bs):
-            delta = torch.bmm(h[:, :, i * rank : (i + 1) * rank], b).flatten(0, 1)
-            if step.src is not None:  # drop the padding rows
-                delta = delta.index_select(0, step.src)
-            y.narrow(1, self.offsets[i], self.sizes[i]).index_add_(0, step.dst, delta)
+            delta = torch.bmm(h[i] if len(bs) > 1 else h, b).view(segments * seg_len, -1)
+            out = y.narrow(1, self.offsets[i], self.sizes[i])
+            if step.inverse is not None:  # every row read back in order: base rows from a zero row
+                if step.base_rows:
+                    delta = F.pad(delta, (0, 0, 0, 1))
+                out.add_(delta.index_select(0, step.inverse))
+            else:
+                if step.src is not None:  # drop the padding rows
+                    delta = delta.index_select(0, step.src)
+                out.index_add_(0, step.dst, delta)
         return y

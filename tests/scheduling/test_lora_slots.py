@@ -77,6 +77,13 @@ def test_step_grouping_covers_every_lora_token_once_within_twice_the_work(seed: 
         rows = step.gather[seg].tolist()  # padding repeats a row of the segment's own slot
         assert all(token_slots[r] == slot for r in rows)
     assert step.gather.numel() <= 2 * len(lora_rows) + seg_len  # the padding bound of the module docstring
+    assert step.gather_flat.tolist() == flat and step.base_rows == (len(lora_rows) < len(token_slots))
+    if 2 * len(lora_rows) >= len(token_slots):  # every row read back in order: its own place, or the zero row
+        assert step.inverse is not None
+        assert [flat[p] if p < len(flat) else NO_LORA for p in step.inverse.tolist()] == [
+            r if s != NO_LORA else NO_LORA for r, s in enumerate(token_slots)]
+    else:
+        assert step.inverse is None
     assert LoRAStep.build([NO_LORA] * 3, torch.device("cpu")) is None
 
 

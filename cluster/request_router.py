@@ -28,7 +28,11 @@ which the SDK sends, or ``model`` in a handle caller's body) goes to the
 least loaded replica that reports that adapter loaded (``ROUTING_LORAS`` in
 its routing stats), unless that one's queue exceeds the least loaded
 replica's by the imbalance threshold; with no such replica, to the least
-loaded one, which then loads it (``apps.lora_serving``). The prompt is still
+loaded one, which then loads it (``apps.lora_serving``). A replica
+reports its adapters every stats period, so the router also counts a replica
+it sent the adapter to as holding it (for the prefix TTL): requests that
+arrive before the report follow the first one instead of loading it
+everywhere. The prompt is still
 recorded under the pick. A plain OpenAI client sends no such header unless
 asked (``default_headers``): its adapter requests are routed on the prompt.
 """
@@ -146,6 +150,18 @@ class PrefixRouting:
         self.sessions = PrefixRouterCore(
             max_chars_per_replica=max_chars_per_replica, ttl_s=ttl_s,
             imbalance_threshold=imbalance_threshold, min_match_chars=_SESSION_KEY_CHARS, seed=seed)
+        self.ttl_s = ttl_s
+        # adapter -> {replica: when this router last sent a request for it there}
+        self.adapters_sent: dict[str, dict[str, float]] = {}
+
+    def adapter_holders(self, model: str, reported: frozenset[str], now: float) -> frozenset[str]:
+        """The replicas that report ``model`` loaded, and those this router sent it to within the TTL."""
+        sent = self.adapters_sent.get(model, {})
+        return reported | frozenset(r for r, t in sent.items() if now - t <= self.ttl_s)
+
+    def record_adapter(self, model: str, replica_id: str, now: float) -> None:
+        """``model``'s request went to ``replica_id``, which loads it on arrival if it had not."""
+        self.adapters_sent.setdefault(model, {})[replica_id] = now
 
     def rank(self, key: RoutingKey | None, loads: Mapping[str, float], now: float,
              adapter_on: frozenset[str] | None = None) -> list[list[str]]:
@@ -184,6 +200,9 @@ class PrefixRouting:
         """Drop what is known of replicas that left the fleet (removed or draining)."""
         self.prompts.forget_missing(live_ids)
         self.sessions.forget_missing(live_ids)
+        for sent in self.adapters_sent.values():
+            for rid in [r for r in sent if r not in live_ids]:
+                del sent[rid]
 
     def _core(self, key: RoutingKey) -> PrefixRouterCore:
         return self.prompts if key.kind == "prompt" else self.sessions
@@ -243,18 +262,23 @@ class PrefixAwareRequestRouter(RequestRouter):
         model = requested_model(pending_request.args, pending_request.kwargs) if pending_request else None
         adapter_on = None
         stats = [r.routing_stats or {} for r in candidate_replicas]
-        if model is not None and any(s.get(ROUTING_LORAS) for s in stats) and all(
+        now = time.monotonic()
+        # An adapter request: the app serves adapters (its replicas report the key) and the model is
+        # not the base model's served name.
+        if model is not None and any(ROUTING_LORAS in s for s in stats) and all(
             s.get(ROUTING_SERVED_MODEL) != model for s in stats
         ):
-            adapter_on = frozenset(rid for rid, r in by_id.items()
-                                   if model in ((r.routing_stats or {}).get(ROUTING_LORAS) or ()))  # fmt: skip
-        now = time.monotonic()
+            reported = frozenset(rid for rid, r in by_id.items()
+                                 if model in ((r.routing_stats or {}).get(ROUTING_LORAS) or ()))  # fmt: skip
+            adapter_on = self._state().adapter_holders(model, reported, now)
         ranks = self._state().rank(key, loads, now, adapter_on)
         if ranks:
             # Recorded at choice time: Serve 2.60 calls on_request_routed only on its
             # strict-queue path, and the first rank is refused only when a replica is
             # full (then the tree is briefly wrong about one prompt: harmless).
             self._state().record(key, ranks[0][0], now)
+            if adapter_on is not None and model is not None:
+                self._state().record_adapter(model, ranks[0][0], now)
         if pending_request is not None:
             # Every candidate is ranked: if all refuse, back off before trying again.
             pending_request.routing_context.should_backoff = True

@@ -181,6 +181,21 @@ def test_adapter_requests_go_where_the_adapter_is_loaded_within_the_imbalance_bo
     assert routing.rank(key, loads, 0.0, frozenset({"b"}))[0] == ["b"]
 
 
+def test_an_adapter_follows_where_this_router_sent_it_before_any_replica_reports_it() -> None:
+    routing = PrefixRouting(imbalance_threshold=2, ttl_s=60, seed=0)
+    assert routing.adapter_holders("x", frozenset(), 0.0) == frozenset()
+    first = routing.rank(None, {"a": 0.0, "b": 1.0}, 0.0, routing.adapter_holders("x", frozenset(), 0.0))[0][0]
+    assert first == "a"
+    routing.record_adapter("x", first, 0.0)
+    # b is now the least loaded, but a is loading x (within the imbalance bound): x follows it.
+    held = routing.adapter_holders("x", frozenset(), 1.0)
+    assert held == {"a"} and routing.rank(None, {"a": 2.0, "b": 0.0}, 1.0, held)[0] == ["a"]
+    assert routing.adapter_holders("x", frozenset({"b"}), 1.0) == {"a", "b"}  # and what replicas report
+    assert routing.adapter_holders("x", frozenset(), 61.0) == frozenset()  # forgotten after the TTL
+    routing.forget_missing({"b"})
+    assert routing.adapter_holders("x", frozenset(), 1.0) == frozenset()  # a left the fleet
+
+
 def test_serve_router_uses_the_replicas_reported_adapters() -> None:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
     from ray.serve._private.request_router.common import PendingRequest

@@ -80,8 +80,13 @@ def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return engine, options
 
 
-def deployment_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``Deployment.options`` keywords; pops the deployment options (and ``num_replicas``) from ``options``."""
+def deployment_options(options: dict[str, Any], lora_base_model: str | None = None) -> dict[str, Any]:
+    """``Deployment.options`` keywords; pops the deployment options (and ``num_replicas``) from ``options``.
+
+    ``lora_base_model``: the served name of the base model when the app serves
+    LoRA adapters (the router then treats any other requested model as an
+    adapter from the first request, before replicas report their adapters).
+    """
     num_replicas = int(options.pop("num_replicas", 1))
     if num_replicas < 1:
         raise InvalidParameterError("num_replicas", f"must be >= 1, got {num_replicas}")
@@ -96,7 +101,7 @@ def deployment_options(options: dict[str, Any]) -> dict[str, Any]:
         out["autoscaling_config"] = serve_autoscaling_config(autoscaling)
     else:
         out["num_replicas"] = num_replicas
-    router = router_config(options.pop("request_router", None))
+    router = router_config(options.pop("request_router", None), lora_base_model=lora_base_model)
     if router is not None:
         out["request_router_config"] = router
     replica_options = options.pop("replica_options", None)
@@ -141,7 +146,8 @@ def build_app(args: dict[str, Any]) -> Application:
     config = EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
     check_placement(options.get("scheduler_placement", DEFAULT_PLACEMENT), options.get("scheduler_options"))
     deployment = cast(Deployment, LLMServer)  # @serve.deployment made the class a Deployment
-    deploy = deployment_options(options)
+    lora_base = (options.get("served_model_name") or config.model) if config.enable_lora else None
+    deploy = deployment_options(options, lora_base_model=lora_base)
     # Let a replica see every request it may hold, so it answers the excess with 429 itself
     # rather than Serve queueing it without bound in front of the replica.
     queued = int(options.get("max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS))

@@ -57,6 +57,8 @@ MODEL_HEADER = b"x-flotilla-model"
 # its base model's served name under (a request for the base model is no adapter request).
 ROUTING_LORAS = "loras"
 ROUTING_SERVED_MODEL = "served_model"
+# request_router_kwargs key: the base model's served name in an app that serves adapters.
+LORA_BASE_MODEL = "lora_base_model"
 # The key ``ReplicaStats.record_routing_stats`` reports requests open on a replica under.
 ROUTING_NUM_OPEN = "num_open"
 ROUTER_CLASS = "cluster.request_router:PrefixAwareRequestRouter"
@@ -228,9 +230,13 @@ class PrefixAwareRequestRouter(RequestRouter):
     # Requests this router sent that Serve has not reported completed, per replica:
     # exact for this router's own traffic, with no reporting lag.
     _num_inflight: dict[str, int]
+    # The base model's served name when the app serves LoRA adapters (None: read from the replicas' stats).
+    _lora_base_model: str | None
 
     def initialize_state(self, **kwargs: Any) -> None:
-        """Called by Serve with ``request_router_kwargs`` (``PrefixRouting``'s keywords)."""
+        """Called by Serve with ``request_router_kwargs``: ``PrefixRouting``'s keywords, and
+        ``LORA_BASE_MODEL`` when the app serves adapters."""
+        self._lora_base_model = kwargs.pop(LORA_BASE_MODEL, None)
         self._routing = PrefixRouting(**kwargs)
         self._num_inflight = {}
 
@@ -263,11 +269,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         adapter_on = None
         stats = [r.routing_stats or {} for r in candidate_replicas]
         now = time.monotonic()
-        # An adapter request: the app serves adapters (its replicas report the key) and the model is
-        # not the base model's served name.
-        if model is not None and any(ROUTING_LORAS in s for s in stats) and all(
-            s.get(ROUTING_SERVED_MODEL) != model for s in stats
-        ):
+        # An adapter request: the app serves adapters and the model is not the base model's served
+        # name (known from the build, else from what the replicas report).
+        base = self._lora_base_model
+        if model is not None and (model != base if base is not None else (
+            any(ROUTING_LORAS in s for s in stats) and all(s.get(ROUTING_SERVED_MODEL) != model for s in stats)
+        )):
             reported = frozenset(rid for rid, r in by_id.items()
                                  if model in ((r.routing_stats or {}).get(ROUTING_LORAS) or ()))  # fmt: skip
             adapter_on = self._state().adapter_holders(model, reported, now)
@@ -307,7 +314,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             del self._num_inflight[rid]
 
 
-def router_config(options: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
+def router_config(options: Mapping[str, Any] | str | None,
+                  lora_base_model: str | None = None) -> dict[str, Any] | None:
     """``request_router_config`` for a deployment from the app's ``request_router`` argument.
 
     ``"prefix"`` (or a dict ``{"kind": "prefix", <PrefixRouting keywords>,
@@ -329,5 +337,7 @@ def router_config(options: Mapping[str, Any] | str | None) -> dict[str, Any] | N
         PrefixRouting(**opts)
     except (TypeError, ValueError) as exc:
         raise InvalidParameterError("request_router", str(exc)) from exc
+    if lora_base_model is not None:  # the router's own keyword, beside PrefixRouting's
+        opts[LORA_BASE_MODEL] = lora_base_model
     return {"request_router_class": ROUTER_CLASS, "request_router_kwargs": opts,
             "request_routing_stats_period_s": period}

@@ -218,3 +218,33 @@ def test_serve_router_uses_the_replicas_reported_adapters() -> None:
         assert (await router.choose_replicas(replicas, pending("other")))[0][0] is replicas[0]
 
     asyncio.run(scenario())
+
+
+def test_an_app_serving_adapters_tells_the_router_its_base_model() -> None:
+    """Built with the base model's name, the router knows adapter requests before any replica reports."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve._private.request_router.common import PendingRequest
+
+    config = router_config("prefix", lora_base_model="base")
+    assert config is not None and config["request_router_kwargs"] == {"lora_base_model": "base"}
+    assert router_config("default", lora_base_model="base") is None
+
+    async def scenario() -> None:
+        dep = DeploymentID(name="LLMServer", app_name="flotilla")
+        router = PrefixAwareRequestRouter(dep, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(**config["request_router_kwargs"], imbalance_threshold=8, seed=0)
+        replicas = [_replica(n, dep) for n in "ab"]  # fresh: no routing stats reported yet
+
+        def pending(model: str) -> Any:
+            meta = SimpleNamespace(internal_request_id="r", multiplexed_model_id="")
+            return PendingRequest(args=[pickle.dumps(Scope([(b"x-flotilla-model", model.encode())]))],
+                                  kwargs={}, metadata=meta)  # fmt: skip
+
+        first = (await router.choose_replicas(replicas, pending("task")))[0][0]
+        for _ in range(2):  # the first replica is now the busier one
+            router.on_send_request(first.replica_id)
+        assert (await router.choose_replicas(replicas, pending("task")))[0][0] is first  # it is loading task
+        other = next(r for r in replicas if r is not first)
+        assert (await router.choose_replicas(replicas, pending("other-task")))[0][0] is other  # least loaded
+
+    asyncio.run(scenario())

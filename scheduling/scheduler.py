@@ -244,12 +244,10 @@ class Scheduler:
                 budget -= 1
                 admitted_past = bool(overtaken)
                 continue
-            match: PrefixMatch | None = None
-            if cache is not None and req.num_computed_tokens == 0:
-                match = cache.match_prefix(req.all_token_ids, req.cache_namespace)  # read-only
             if req.params.lora is not None:
-                # Its adapter in a slot first: with every slot pinned by other adapters it waits,
-                # passed over by requests of resident adapters until the starvation bound.
+                # Its adapter in a slot first (before the tree walk: a request passed over costs none):
+                # with every slot pinned by other adapters it waits, passed over by requests of resident
+                # adapters until the starvation bound.
                 assert self.lora is not None, "the engine refuses adapters when LoRA is off"
                 req.lora_slot = self.lora.acquire(req.params.lora)
                 if req.lora_slot is None:
@@ -258,6 +256,9 @@ class Scheduler:
                     overtaken.append(req)
                     i += 1
                     continue
+            match: PrefixMatch | None = None
+            if cache is not None and req.num_computed_tokens == 0:
+                match = cache.match_prefix(req.all_token_ids, req.cache_namespace)  # read-only
             fit = self._fit(req, match, budget)
             if fit is None:
                 self._unpin_lora(req)

@@ -46,6 +46,7 @@ from ray.serve import Application, Deployment
 
 from actors.config import EngineConfig
 from apps.disaggregation import prefill_app, split_pd, with_pool
+from apps.request_params import served_name
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
 from cluster.autoscaling import serve_autoscaling_config
@@ -146,7 +147,7 @@ def build_app(args: dict[str, Any]) -> Application:
     config = EngineConfig.from_kwargs(**engine)  # fail at deploy time, naming the field, not in a replica
     check_placement(options.get("scheduler_placement", DEFAULT_PLACEMENT), options.get("scheduler_options"))
     deployment = cast(Deployment, LLMServer)  # @serve.deployment made the class a Deployment
-    lora_base = (options.get("served_model_name") or config.model) if config.enable_lora else None
+    lora_base = served_name(options.get("served_model_name"), config.model) if config.enable_lora else None
     deploy = deployment_options(options, lora_base_model=lora_base)
     # Let a replica see every request it may hold, so it answers the excess with 429 itself
     # rather than Serve queueing it without bound in front of the replica.

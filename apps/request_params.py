@@ -103,6 +103,11 @@ def check_model(requested: str | None, served: str | Sequence[str]) -> str:
     return requested
 
 
+def served_name(served_model_name: str | None, model: str) -> str:
+    """The name clients send for the base model: ``served_model_name``, else the model as given."""
+    return served_model_name or model
+
+
 def unknown_model(requested: str) -> APIError:
     """The 404 for a ``model`` that is not served (OpenAI's wording and code)."""
     return APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")

@@ -152,7 +152,7 @@ class LLMServer(ReplicaStats):
             raise InvalidParameterError("max_queued_requests", f"must be >= 0, got {max_queued_requests}")
         # Requests this replica holds at once: a full batch running plus a bounded queue behind it.
         self.capacity = self.config.max_num_seqs + max_queued_requests
-        self.model_name = served_model_name or self.config.model
+        self.model_name = rq.served_name(served_model_name, self.config.model)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))

@@ -12,6 +12,7 @@ from kvcache.attention.flashinfer import FlashInferKernels, check_flashinfer_set
 from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype
+from kvcache.kv_tiers import KVOffloadConfig
 from scheduling.errors import InvalidParameterError
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.spec_config import SpeculativeConfig
@@ -78,6 +79,9 @@ class EngineConfig:
     kept read on the host. LoRA runs eagerly (its segment shapes change
     every step: no CUDA graphs) and with n-gram speculation only (a draft
     model or self-draft would propose without the adapter).
+    ``kv_offload``: the KV tiers below the pool (``kvcache.kv_tiers.KVOffloadConfig``:
+    host memory, local disk, the cluster store; a dict or its JSON text),
+    with prefix caching only; None: off.
     Errors name the parameter and, where two settings disagree, both values.
     """
 
@@ -109,6 +113,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -162,6 +167,7 @@ class EngineConfig:
         # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._check_lora()  # after the parse: it reads speculative_config
+        self._check_kv_offload()  # likewise
         self.scheduler_config()  # validates the scheduling limits, naming both values
 
     def _check_quantization(self) -> None:
@@ -230,6 +236,24 @@ class EngineConfig:
             raise InvalidParameterError(
                 "speculative_config", "a draft model or self-draft proposes without the request's LoRA adapter: "
                 "with enable_lora use the ngram method",
+            )  # fmt: skip
+
+    def _check_kv_offload(self) -> None:
+        try:
+            offload = KVOffloadConfig.parse(self.kv_offload)
+        except (CacheConfigError, TypeError) as e:
+            raise InvalidParameterError("kv_offload", str(e).removeprefix("kv_offload: ")) from None
+        object.__setattr__(self, "kv_offload", offload)
+        if offload is None:
+            return
+        if not self.enable_prefix_caching:
+            raise InvalidParameterError(
+                "kv_offload", "the KV tiers keep and find prefix-cache pages: they need enable_prefix_caching")
+        spec = self.speculative_config
+        if spec is not None and spec.model is not None:
+            raise InvalidParameterError(
+                "kv_offload", f"the draft model {spec.model!r} drafts from a KV pool of its own, which pages "
+                f"loaded from the KV tiers never fill: draft with method 'ngram' or a self-draft ('layers')",
             )  # fmt: skip
 
     def resolved_max_cpu_loras(self) -> int:

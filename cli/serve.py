@@ -76,6 +76,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sp.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
     sp.add_argument("--max-cpu-loras", type=int, default=None,
                     help="adapters kept read on the host (default: --max-loras)")
+    sp.add_argument("--kv-offload", default=None, metavar="JSON",
+                    help='KV tiers below the pool: \'{"host_bytes": 2e9, "disk_bytes": 2e10, "cluster": true}\' '
+                         "(host memory, local disk, the cluster store; docs/kv_tiers.md)")
     sp.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                     help="auto (= torch), torch, or flashinfer (CUDA with the cuda extra; docs/gpu.md)")
     sp.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -167,7 +170,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
                  "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads",
                  "speculative_config", "kv_cache_dtype", "quantization", "quantization_group_size",
                  "attention_backend", "cuda_graphs", "enable_lora", "max_loras", "max_lora_rank",
-                 "max_cpu_loras"):
+                 "max_cpu_loras", "kv_offload"):
         value = getattr(args, name)
         if value is not None:
             out[name] = value

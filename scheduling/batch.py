@@ -88,6 +88,10 @@ class Batch:
     # into the runner's slots before this step's forward.
     lora_slots: list[int] | None = None
     lora_loads: list[tuple[int, str]] | None = None
+    # KV tiers (``scheduling.kv_tiers``): pages to copy out before anything else of the step (imports,
+    # forward) writes the pool, and each one's block key (for the engine; the runner ignores them).
+    kv_saves: list[int] | None = None
+    kv_save_keys: list[bytes] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -134,3 +138,5 @@ class StepOutput:
     # Aligned with ``Batch.kv_exports``: from a runner, this rank's ``KVPayload`` of each; from an
     # executor, a tuple of every rank's payload (rank order) of each.
     kv_exports: list[KVPayload] | list[RankPayloads] | None = None
+    # The pages of ``Batch.kv_saves``: this rank's payload (runner) or every rank's (executor).
+    kv_saves: KVPayload | RankPayloads | None = None

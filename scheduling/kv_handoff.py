@@ -53,12 +53,14 @@ def take_imported(kv: RequestPages, req: Request, imports: list[tuple[list[int],
 
 
 def imports_written(scheduled: list[Scheduled]) -> None:
-    """The step that imported these requests' KV ran: their pages hold it now."""
+    """The step that imported these requests' KV (prefilled, or from the KV tiers) ran: their pages hold it now."""
     for entry in scheduled:
         entry.request.kv_import = None
+        entry.request.kv_tier_unwritten = False
 
 
 def drop_unwritten(req: Request) -> None:
     """Before ``req`` is released: if its imported KV was never written, none of its pages is computed."""
-    if req.kv_import is not None:
+    if req.kv_import is not None or req.kv_tier_unwritten:
         req.num_computed_tokens = 0
+        req.kv_tier_unwritten = False

@@ -21,6 +21,7 @@ from scheduling.stop_rule import StopRule
 if TYPE_CHECKING:
     from kvcache.kv_transfer import RankPayloads
     from kvcache.radix_cache import RadixNode
+    from scheduling.kv_tiers import TierHit
     from scheduling.spec_decode import DraftState
 
 
@@ -76,6 +77,9 @@ class Request:
         "spec",
         "export_kv",
         "kv_import",
+        "kv_loading",
+        "kv_loaded",
+        "kv_tier_unwritten",
     )
 
     def __init__(
@@ -119,6 +123,11 @@ class Request:
         # carries it (one payload per tensor-parallel rank) until the step that admits it writes it.
         self.export_kv = False
         self.kv_import: RankPayloads | None = None
+        # KV tiers (``scheduling.kv_tiers``): a tier load is out for its prefix (admission waits for it);
+        # the blocks it brought, until admission takes them; pages filled from them not yet written.
+        self.kv_loading = False
+        self.kv_loaded: TierHit | None = None
+        self.kv_tier_unwritten = False
 
     @property
     def num_prompt_tokens(self) -> int:

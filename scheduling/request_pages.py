@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvcache.page_allocator import PageAllocator
 from kvcache.radix_cache import PrefixMatch, RadixCache
+from scheduling.kv_tiers import KVSaver, SaveQueue
 from scheduling.request import Request
 
 
@@ -21,6 +22,9 @@ class RequestPages:
         self.allocator = allocator
         self.cache = cache
         self.page_size = page_size
+        # KV tiers (``scheduling.kv_tiers``): with a saver, pages new to the tree are queued to be copied out.
+        self.saver: KVSaver | None = None
+        self.saves = SaveQueue(allocator)
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens."""
@@ -75,7 +79,12 @@ class RequestPages:
         if req.pages:
             if self.cache is not None and req.num_computed_tokens >= self.page_size:
                 tokens = req.all_token_ids[: req.num_computed_tokens]
-                self.cache.insert(tokens, req.pages, req.cache_namespace)
+                cached = self.cache.insert(tokens, req.pages, req.cache_namespace)
+                first, end = cached // self.page_size, len(tokens) // self.page_size
+                if self.saver is not None and first < end:
+                    picked = self.saver.select(req.cache_namespace, tokens, first, end - first)
+                    if picked:
+                        self.saves.add([(key, req.pages[i]) for i, key in picked])
             self.allocator.free(req.pages)
             req.pages = []
         if req.prefix_node is not None:

@@ -38,6 +38,7 @@ from scheduling.batch import Batch, StepOutput
 from scheduling.batch_builder import Scheduled, build_batch
 from scheduling.errors import InvalidParameterError
 from scheduling.kv_handoff import drop_unwritten, imports_written, kv_exports, take_imported
+from scheduling.kv_tiers import tier_pages
 from scheduling.lora_slots import NO_LORA, LoRASlots
 from scheduling.request import Request, RequestStatus
 from scheduling.request_pages import RequestPages
@@ -156,7 +157,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or pages queued for the KV tiers (a step copies them out)."""
+        return bool(self.waiting or self.running or self.kv.saves)
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> Batch | None:
@@ -202,11 +204,14 @@ class Scheduler:
             budget = self._admit(scheduled, budget, spec, imports, speculating)
         if spec is not None:
             self._reserve_speculation(spec, scheduled, speculating)
-        if not scheduled:
+        if not scheduled and not self.kv.saves:
             return None
         batch, exports = build_batch(self._step + 1, scheduled), kv_exports(scheduled, self.kv)
         if imports or exports:
             batch = replace(batch, kv_imports=imports or None, kv_exports=exports or None)
+        if self.kv.saves:  # pages for the KV tiers, read before this step's forward overwrites any page
+            pages, keys = self.kv.saves.take()
+            batch = replace(batch, kv_saves=pages, kv_save_keys=keys)
         if self.lora is not None:
             batch = self._with_lora(batch, scheduled, self.lora)
         # In flight only once the batch exists: a step recorded without one could never be settled.
@@ -244,6 +249,8 @@ class Scheduler:
                 budget -= 1
                 admitted_past = bool(overtaken)
                 continue
+            if req.kv_loading:  # the KV tiers are fetching its prefix (bounded by the engine's load_wait_s)
+                break
             if req.params.lora is not None:
                 # Its adapter in a slot first (before the tree walk: a request passed over costs none):
                 # with every slot pinned by other adapters it waits, passed over by requests of resident
@@ -259,7 +266,10 @@ class Scheduler:
             match: PrefixMatch | None = None
             if cache is not None and req.num_computed_tokens == 0:
                 match = cache.match_prefix(req.all_token_ids, req.cache_namespace)  # read-only
-            fit = self._fit(req, match, budget)
+            # Pages the KV tiers brought, past the match (``scheduling.kv_tiers``): fresh pages filled from them.
+            loaded, payload = (0, None) if match is None else tier_pages(req, match.num_tokens // cfg.page_size,
+                                                                         cfg.page_size)
+            fit = self._fit(req, match, budget, loaded * cfg.page_size)
             if fit is None:
                 self._unpin_lora(req)
                 break
@@ -267,7 +277,7 @@ class Scheduler:
             start = req.num_computed_tokens if match is None else match.num_tokens
             if match is not None:
                 self.kv.take_prefix(req, match)
-            if not self.kv.reserve(req, start + n):
+            if not self.kv.reserve(req, start + loaded * cfg.page_size + n):
                 # Evicting freed less than counted (pages a running sibling
                 # still holds). A failed reserve allocates nothing, so only a
                 # prefix taken just now is to give back.
@@ -275,8 +285,15 @@ class Scheduler:
                     self.kv.release(req)
                 self._unpin_lora(req)
                 break
+            if payload is not None:
+                first = start // cfg.page_size
+                imports.append((req.pages[first : first + loaded], payload))
+                req.num_computed_tokens = start + loaded * cfg.page_size
+                req.kv_tier_unwritten = True
+                self.stats.tier_hit_tokens += loaded * cfg.page_size
+            req.kv_loaded = None
             if match is not None and req.num_preemptions == 0:
-                self._count_prefix_hit(req, match.num_tokens)
+                self._count_prefix_hit(req, match.num_tokens, req.num_computed_tokens)
             self._start_running(i)
             samples = req.num_computed_tokens + n == req.num_tokens
             if spec is not None and samples:
@@ -312,13 +329,15 @@ class Scheduler:
             req.first_scheduled_time = time.monotonic()
         self.running.append(req)
 
-    def _fit(self, req: Request, match: PrefixMatch | None, budget: int) -> tuple[PrefixMatch | None, int] | None:
+    def _fit(self, req: Request, match: PrefixMatch | None, budget: int,
+             loaded: int = 0) -> tuple[PrefixMatch | None, int] | None:  # fmt: skip
         """The prefix to start ``req`` from (its pages locked) and the tokens to compute this step.
 
+        ``loaded``: tokens past the match whose KV the tiers brought (they need pages, not compute).
         None when the pages could not be had even by evicting every unlocked
         cached page; then nothing is locked or evicted.
         """
-        start = req.num_computed_tokens if match is None else match.num_tokens
+        start = (req.num_computed_tokens if match is None else match.num_tokens) + loaded
         remaining = req.num_tokens - start
         n = min(remaining, budget)
         if n < remaining and not self.config.enable_chunked_prefill:
@@ -336,10 +355,11 @@ class Scheduler:
             self.cache.unlock(match.node)
         return None
 
-    def _count_prefix_hit(self, req: Request, num_hit_tokens: int) -> None:
+    def _count_prefix_hit(self, req: Request, num_hit_tokens: int, num_cached_tokens: int) -> None:
         # Once per request, at its first admission (a preempted one re-matches
-        # its own pages: not a hit of the cache's making).
-        req.num_cached_tokens = num_hit_tokens
+        # its own pages: not a hit of the cache's making). ``num_cached_tokens``
+        # adds what the KV tiers loaded: not computed either.
+        req.num_cached_tokens = num_cached_tokens
         self.stats.prefix_queries_tokens += req.num_prompt_tokens
         self.stats.prefix_hit_tokens += num_hit_tokens
 
@@ -349,6 +369,8 @@ class Scheduler:
         scheduled = self._in_flight.pop(batch.step)
         if batch.kv_imports:
             imports_written(scheduled)
+        if batch.kv_saves:
+            self.kv.saves.saved(batch.kv_saves)
         now = time.monotonic()
         sampled: list[tuple[Request, list[int], int, str]] = []
         finished: list[Request] = []

@@ -13,6 +13,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_queries_tokens: int = 0
     prefix_hit_tokens: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens whose KV the KV tiers loaded (``scheduling.kv_tiers``)
     # Speculative decoding (vLLM's spec_decode_* counters): a "draft" is one
     # sequence's draft tokens verified in one step; ``..._per_pos[i]`` counts
     # drafts whose token at position i (0-based) was accepted.

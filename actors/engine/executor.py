@@ -68,7 +68,7 @@ class LocalExecutor(Executor):
 
     def execute(self, batch: Batch) -> StepOutput:
         out = self.runner.execute(batch)
-        return with_rank_exports(out, [out]) if batch.kv_exports else out
+        return with_rank_exports(out, [out]) if batch.kv_exports or batch.kv_saves else out
 
     def restart(self) -> None:
         """In-process there is no shard to lose: nothing to rebuild."""
@@ -84,15 +84,22 @@ class LocalExecutor(Executor):
 
 
 def with_rank_exports(out: StepOutput, rank_outputs: list[StepOutput | None]) -> StepOutput:
-    """``out`` (rank 0's) with every rank's ``kv_exports`` zipped: one tuple per export, rank order.
+    """``out`` (rank 0's) with every rank's ``kv_exports`` and ``kv_saves`` zipped: one tuple per
+    export (and one for the saved pages), in rank order.
 
     ``rank_outputs[r]`` is rank r's output; each carries this rank's payload
-    of every export of the step, aligned with ``Batch.kv_exports``.
+    of every export of the step, aligned with ``Batch.kv_exports``, and of its ``Batch.kv_saves``.
     """
-    per_rank: list[list[KVPayload]] = []
-    for rank, rank_out in enumerate(rank_outputs):
-        assert rank_out is not None and rank_out.kv_exports is not None, f"rank {rank} returned no kv_exports"
-        own = [p for p in rank_out.kv_exports if isinstance(p, KVPayload)]
-        assert len(own) == len(rank_out.kv_exports), f"rank {rank} returned exports that are not its own payloads"
-        per_rank.append(own)
-    return replace(out, kv_exports=list(zip(*per_rank, strict=True)))
+    if out.kv_exports is not None:
+        per_rank: list[list[KVPayload]] = []
+        for rank, rank_out in enumerate(rank_outputs):
+            assert rank_out is not None and rank_out.kv_exports is not None, f"rank {rank} returned no kv_exports"
+            own = [p for p in rank_out.kv_exports if isinstance(p, KVPayload)]
+            assert len(own) == len(rank_out.kv_exports), f"rank {rank} returned exports that are not its own payloads"
+            per_rank.append(own)
+        out = replace(out, kv_exports=list(zip(*per_rank, strict=True)))
+    if out.kv_saves is not None:
+        saves = [o.kv_saves if o is not None else None for o in rank_outputs]
+        assert all(isinstance(p, KVPayload) for p in saves), "a rank returned no kv_saves payload"
+        out = replace(out, kv_saves=tuple(p for p in saves if isinstance(p, KVPayload)))
+    return out

@@ -17,6 +17,7 @@ from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.disaggregation import collect_exports
 from actors.engine.executor import Executor, LocalExecutor
+from actors.engine.kv_offload import KVOffload
 from actors.engine.lora_registry import LoRARegistry
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from actors.engine.prompt_ids import text_ids
@@ -57,6 +58,10 @@ class LLMEngine:
         self.allocator = PageAllocator(self.executor.capacity.num_pages)
         self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
         self.loras = LoRARegistry(config, self.executor, self.scheduler)
+        # The KV tiers below the pool (host, disk, cluster), when configured (actors.engine.kv_offload).
+        self.offload = (None if config.kv_offload is None else
+                        KVOffload(config, config.kv_offload, self.executor.kv_layout, self.executor.model_path,
+                                  self.scheduler))  # fmt: skip
         self._seqs: dict[str, _Sequence] = {}  # scheduler request id -> state
         self._groups: dict[str, list[str]] = {}  # client request id -> scheduler ids
         # The batch whose step failed between schedule() and the scheduler's update (its token
@@ -147,6 +152,8 @@ class LLMEngine:
                 self.grammar_states.remove(sid)
             raise
         self._groups[request_id] = children
+        if self.offload is not None:  # siblings of n > 1 start from the first one's pages
+            self.offload.start_load(self.scheduler.requests[children[0]])
         if constraint is not None:
             self.constrained_requests[constraint.kind] += 1
         return len(ids)
@@ -197,6 +204,7 @@ class LLMEngine:
         if batch is not None:
             self._settle(batch)
         if kv_lost:
+            self.scheduler.kv.saves.clear()  # pages queued to be copied out hold nothing now
             if self.scheduler.cache is not None:
                 self.scheduler.cache.reset()
             self.loras.shards_restarted()
@@ -255,6 +263,9 @@ class LLMEngine:
     def step(self) -> list[SequenceDelta]:
         """Run one engine step; return one delta per sequence that gained text or ended."""
         batch = self.schedule()
+        if batch is None and self.offload is not None and self.offload.has_loads:
+            self.offload.wait_for_loads()  # nothing else to run: the requests wait for their KV loads
+            batch = self.schedule()
         if batch is None:
             return []
         return self.finish_step(batch, self.execute(batch))
@@ -264,6 +275,8 @@ class LLMEngine:
     # lock, execute() without it (it reads only the immutable Batch).
     def schedule(self) -> Batch | None:
         """Plan the next step (with its token masks); None when there is nothing to run."""
+        if self.offload is not None:
+            self.offload.deliver()
         batch = self.scheduler.schedule()
         if batch is None or not len(self.grammar_states):
             return batch
@@ -299,6 +312,9 @@ class LLMEngine:
         """
         try:
             collect_exports(self, batch, output)  # before update: it ends the prefill-only requests
+            if batch.kv_saves and self.offload is not None:
+                assert batch.kv_save_keys is not None and isinstance(output.kv_saves, tuple)
+                self.offload.store(batch.kv_save_keys, output.kv_saves)
             update = self.scheduler.update(batch, output)
         except BaseException:
             if self.scheduler.is_in_flight(batch.step):  # failed before update took it: fail_* settles it
@@ -344,6 +360,8 @@ class LLMEngine:
             del self._groups[seq.request_id]
 
     def shutdown(self) -> None:
+        if self.offload is not None:
+            self.offload.shutdown()
         self.grammar.shutdown()
         self.executor.shutdown()
 

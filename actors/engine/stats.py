@@ -136,6 +136,9 @@ class EngineStats:
     lora_requests: tuple[tuple[str, int], ...] = ()
     lora_load_seconds: tuple[tuple[str, float], ...] = ()
     lora_adapters: tuple[str, ...] = ()
+    # KV tiers (``actors.engine.kv_offload``; empty when off): per tier (host, disk, cluster, and the
+    # engine's own counts) its cumulative counters and holdings (``kvcache.kv_tiers.TierStats``).
+    kv_tiers: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,4 +257,5 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         lora_adapters=tuple(sorted(engine.loras.serving())),
         grammar_compiles_total=num_compiles,
         grammar_compile_seconds_recent=compile_seconds,
+        kv_tiers=engine.offload.stats() if engine.offload is not None else (),
     )

@@ -106,7 +106,7 @@ class RayExecutor(Executor):
             raise ExecutorFailure(f"step {batch.step}: {err}") from err
         out = outputs[0]
         assert isinstance(out, StepOutput), f"rank 0 returned {type(out).__name__}"
-        return with_rank_exports(out, outputs) if batch.kv_exports else out
+        return with_rank_exports(out, outputs) if batch.kv_exports or batch.kv_saves else out
 
     def restart(self) -> None:
         """Kill what is left, then build a fresh group (new port, empty KV pools and LoRA slots).

@@ -116,14 +116,14 @@ class ModelShardActor:
     def execute(self, batch: Batch) -> StepOutput | None:
         """Run one step on this rank; rank 0's return value is the step's output.
 
-        Other ranks return None, or, when the batch exports KV pages, their
-        output carrying only this rank's ``kv_exports`` (the executor zips them).
+        Other ranks return None, or, when the batch exports or saves KV pages, their
+        output carrying only this rank's ``kv_exports`` / ``kv_saves`` (the executor zips them).
         """
         runner = self._runner
         if runner is None:
             raise RuntimeError(f"shard rank {self.rank} executed before start()")
         out = runner.execute(batch)
-        return out if self.rank == 0 or batch.kv_exports else None
+        return out if self.rank == 0 or batch.kv_exports or batch.kv_saves else None
 
     def add_lora(self, name: str, path: str) -> LoRAInfo | ShardConfigError:
         """Register a LoRA adapter; a refusal comes back as a value, so the group stays up."""

@@ -29,6 +29,7 @@ other calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,7 +67,10 @@ class StepLoop:
     def start(self) -> None:
         """Run the loop on the running event loop unless it runs (idempotent; restarts a task that ended)."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            loop = asyncio.get_running_loop()
+            if self.engine.offload is not None:  # a KV tier load that ends wakes a loop waiting for it
+                self.engine.offload.wake = lambda: _call_soon(loop, self.wake)
+            self._task = loop.create_task(self._run())
 
     def wake(self) -> None:
         """There is new work: a loop asleep for want of it plans a step."""
@@ -186,3 +190,9 @@ class StepLoop:
         async with self.lock:
             self._check_can_schedule()  # a new executor does not settle the engine's own bookkeeping
         logger.info("executor restarted")
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """``fn`` on ``loop`` from any thread; nothing once the loop has closed (the service stopped)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn)

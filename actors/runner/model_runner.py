@@ -233,13 +233,19 @@ class ModelRunner:
         (``actors.engine.disaggregation.check_decode_drafting``); a self-draft shares the
         target's pages and sees them.
         """
+        # KV tiers: the pages to save are read first, before the imports and the forward write the pool
+        # (a page queued for saving may be among those the step fills again).
+        saves = self.pool.gather_pages(batch.kv_saves) if batch.kv_saves else None
         if batch.kv_imports:
             self._import_kv(batch.kv_imports)
+        if not batch.num_seqs:  # a step that only saves pages (the engine had nothing else to run)
+            assert saves is not None, "a step with no sequence and nothing to save"
+            return StepOutput([], [], kv_saves=self.pool.payload(device_copy.to_host(saves)))
         if self.lora is None:
-            return self._run(batch)
+            return self._run(batch, saves)
         self.lora.begin_step(batch)
         try:
-            return self._run(batch)
+            return self._run(batch, saves)
         finally:
             self.lora.end_step()
 
@@ -254,7 +260,7 @@ class ModelRunner:
                 )
             self.pool.write_pages(pages, payloads[self.rank])
 
-    def _run(self, batch: Batch) -> StepOutput:
+    def _run(self, batch: Batch, saves: list[torch.Tensor] | None) -> StepOutput:
         """The forward, sampling, KV export and drafting of ``execute`` (in its inference mode).
 
         A decode-only step runs on the static buffers of ``self.graphs``
@@ -291,7 +297,7 @@ class ModelRunner:
                 sampled = self._sample(batch, logits)
         # Every rank exports its own share of the heads of each page.
         exports = [self.pool.gather_pages(pages) for _, pages in batch.kv_exports or []]
-        reads = ([] if sampled is None else sampled.tensors()) + [t for g in exports for t in g]
+        reads = ([] if sampled is None else sampled.tensors()) + [t for g in exports for t in g] + (saves or [])
         host = device_copy.to_host(reads) if reads else []
         out = StepOutput([], [])
         if sampled is not None:
@@ -306,6 +312,8 @@ class ModelRunner:
                 payloads.append(self.pool.payload(host[: len(gathered)]))
                 host = host[len(gathered):]
             out = replace(out, kv_exports=payloads)
+        if saves is not None:
+            out = replace(out, kv_saves=self.pool.payload(host[: len(saves)]))
         if batch.num_propose is None or not batch.sample_indices:
             return out
         return self._propose(batch, out)

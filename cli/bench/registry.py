@@ -22,6 +22,7 @@ from typing import Protocol
 
 from cli.bench.accuracy import AccuracyBench
 from cli.bench.autoscale import AutoscaleBench
+from cli.bench.kv_tiers import KVTiersBench
 from cli.bench.lora import LoRABench
 from cli.bench.offline import OfflineBench
 from cli.bench.pd import PDBench
@@ -54,6 +55,7 @@ BENCHES: tuple[Bench, ...] = (
     StructuredBench(),
     PDBench(),
     LoRABench(),
+    KVTiersBench(),
     SchedulerBench(),
     OfflineBench(),
     RayOverheadBench(),

@@ -1,0 +1,238 @@
+"""The engine's link to its KV tiers (``kvcache.kv_tiers``): lookups at intake, saves after steps.
+
+Both run on one worker thread, loads first: a step never waits for either.
+A new request whose prefix goes past what the radix tree holds asks the
+tiers for the rest of its full prompt pages (``start_load``); it waits in
+the queue (``Request.kv_loading``) until they answer or ``load_wait_s`` has
+passed, whichever is first, and ``deliver`` (before each plan) hands it
+whatever arrived. A waiting engine is woken when a load ends (``wake``).
+Pages new to the radix tree are picked for saving here (``select``, the
+scheduler's ``KVSaver``: the ones no tier is known to hold), copied out by
+the next step, and handed to the tiers when it returns (``store``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.config import EngineConfig
+from actors.kv_store import RayBlockStore
+from actors.load.model_cache import cache_dir
+from actors.log import get_logger
+from kvcache.kv_blocks import BlockKey, block_keys, block_salt
+from kvcache.kv_tiers import KVOffloadConfig, TieredKV
+from kvcache.kv_transfer import KVLayout, RankPayloads
+from scheduling.kv_tiers import TierHit
+from scheduling.request import Request, RequestStatus
+from scheduling.scheduler import Scheduler
+
+logger = get_logger(__name__.rsplit(".", 1)[-1])
+
+# Save jobs queued on the worker beyond which a step's saved pages are dropped (the tiers lag behind).
+MAX_PENDING_SAVES = 64
+_LOAD, _SAVE = 0, 1  # worker priorities: a load is waited for, a save is not
+
+
+@dataclass(slots=True)
+class _Load:
+    req: Request
+    first_page: int
+    future: Future[RankPayloads | None]
+    deadline: float
+
+
+class _Worker:
+    """One daemon thread running jobs by priority, then in submission order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Future[Any] | None, Callable[[], Any] | None]] = (
+            queue.PriorityQueue())
+        self._order = itertools.count()
+        self.pending_saves = 0
+        self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: int, job: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._queue.put((priority, next(self._order), future, job))
+        return future
+
+    def stop(self, timeout_s: float) -> None:
+        self._queue.put((-1, -1, None, None))
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            _, _, future, job = self._queue.get()
+            if future is None or job is None:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(job())
+                except BaseException as e:  # noqa: BLE001 - handed to whoever reads the future
+                    future.set_exception(e)
+
+
+class KVOffload:
+    """One engine's tiers, its loads in flight, and the ``KVSaver`` its scheduler asks."""
+
+    def __init__(self, config: EngineConfig, offload: KVOffloadConfig, layout: KVLayout, model_path: Path,
+                 scheduler: Scheduler) -> None:  # fmt: skip
+        self.page_size = config.page_size
+        self.load_wait_s = offload.load_wait_s
+        self.world_size = config.tensor_parallel_size
+        self.layout = layout
+        self.model_id = model_identity(config, model_path)
+        self._own_disk: Path | None = None
+        disk_path: Path | None = None
+        if offload.disk_bytes:
+            if offload.disk_path is not None:
+                disk_path = Path(offload.disk_path).expanduser()
+            else:  # a folder of this engine's own, removed when it stops
+                disk_path = self._own_disk = cache_dir() / "kv_blocks" / uuid.uuid4().hex[:12]
+        store = RayBlockStore(offload.cluster_bytes, max(offload.load_wait_s, 0.1)) if offload.cluster else None
+        self.tiers = TieredKV(offload, layout, self.world_size, disk_path=disk_path, store=store)
+        self.scheduler = scheduler
+        scheduler.kv.saver = self
+        self._salts: dict[str | None, bytes] = {}
+        self._loads: dict[str, _Load] = {}
+        self._worker = _Worker()
+        self.wake: Callable[[], None] = _nothing
+        self.load_timeouts = 0  # loads that outlasted load_wait_s (the request computed its prefix)
+        self.dropped_saves = 0  # pages not saved because the tiers lagged behind
+
+    # ------------------------------------------------------------------ saves
+    def select(self, namespace: str | None, token_ids: list[int], first_page: int,
+               num_pages: int) -> list[tuple[int, bytes]]:  # fmt: skip
+        keys = block_keys(self._salt(namespace), token_ids, first_page + num_pages, self.page_size)
+        known = self.tiers.known
+        return [(i, keys[i]) for i in range(first_page, first_page + num_pages) if not known(keys[i])]
+
+    def store(self, keys: list[BlockKey], payloads: RankPayloads) -> None:
+        """Hand a step's copied-out pages to the tiers (on the worker)."""
+        worker = self._worker
+        if worker.pending_saves >= MAX_PENDING_SAVES:
+            self.dropped_saves += len(keys)
+            return
+        worker.pending_saves += 1
+        self.tiers.stage(keys, payloads)
+
+        def save() -> None:
+            try:
+                self.tiers.save(keys, payloads)
+            finally:
+                worker.pending_saves -= 1
+
+        worker.submit(_SAVE, save).add_done_callback(_log_failure)
+
+    def wait_for_saves(self, timeout_s: float = 60.0) -> None:
+        """Block until every save handed over so far is filed (tests; a bench between phases)."""
+        self._worker.submit(_SAVE, _nothing).result(timeout_s)
+
+    def keys_for(self, namespace: str | None, token_ids: list[int]) -> list[BlockKey]:
+        """The block keys of ``token_ids``' full pages in ``namespace``."""
+        return block_keys(self._salt(namespace), token_ids, len(token_ids) // self.page_size, self.page_size)
+
+    # ------------------------------------------------------------------ loads
+    def start_load(self, req: Request) -> None:
+        """Ask the tiers for ``req``'s full prompt pages past the radix match, if any tier may hold them."""
+        ps = self.page_size
+        num_blocks = (req.num_tokens - 1) // ps
+        cache = self.scheduler.cache
+        matched = 0 if cache is None else cache.match_prefix(req.all_token_ids, req.cache_namespace).num_tokens // ps
+        if matched >= num_blocks:
+            return
+        keys = block_keys(self._salt(req.cache_namespace), req.all_token_ids, num_blocks, ps)[matched:]
+        if not self.tiers.may_hold(keys[0]):
+            return
+        future = self._worker.submit(_LOAD, lambda: self.tiers.fetch(keys))
+        future.add_done_callback(lambda _: self.wake())
+        req.kv_loading = True
+        self._loads[req.request_id] = _Load(req, matched, future, time.monotonic() + self.load_wait_s)
+
+    def deliver(self) -> None:
+        """Hand the waiting requests what their loads brought; release those that waited long enough."""
+        if not self._loads:
+            return
+        now = time.monotonic()
+        for rid, load in list(self._loads.items()):
+            req = load.req
+            if req.status is not RequestStatus.WAITING:  # aborted while it waited
+                del self._loads[rid]
+            elif load.future.done():
+                del self._loads[rid]
+                req.kv_loading = False
+                try:
+                    payload = load.future.result()
+                except Exception:
+                    logger.exception("a KV tier load failed; the request computes its prefix")
+                    payload = None
+                if payload is not None:
+                    req.kv_loaded = TierHit(load.first_page, payload)
+            elif now >= load.deadline:
+                del self._loads[rid]
+                req.kv_loading = False
+                self.load_timeouts += 1
+
+    def wait_for_loads(self) -> None:
+        """Block until a load ends or the earliest one's wait runs out (the offline loop, with nothing to run)."""
+        if not self._loads:
+            return
+        first = min(self._loads.values(), key=lambda load: load.deadline)
+        with contextlib.suppress(Exception):  # a timeout or a failed load: deliver() sorts it out
+            first.future.result(timeout=max(first.deadline - time.monotonic(), 0.0))
+
+    @property
+    def has_loads(self) -> bool:
+        return bool(self._loads)
+
+    # ---------------------------------------------------------------- the rest
+    def stats(self) -> tuple[tuple[str, tuple[tuple[str, float], ...]], ...]:
+        """Per tier, its counters (``TierStats``), for ``EngineStats.kv_tiers``."""
+        out = [(name, tuple(s.to_dict().items())) for name, s in self.tiers.stats.items()]
+        out.append(("engine", (("load_timeouts", self.load_timeouts), ("dropped_saves", self.dropped_saves),
+                               ("tier_hit_tokens", self.scheduler.stats.tier_hit_tokens))))  # fmt: skip
+        return tuple(out)
+
+    def shutdown(self) -> None:
+        self._worker.stop(5.0)
+        if self._own_disk is not None:
+            shutil.rmtree(self._own_disk, ignore_errors=True)
+
+    def _salt(self, namespace: str | None) -> bytes:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            salt = self._salts[namespace] = block_salt(self.model_id, namespace, self.layout, self.world_size)
+        return salt
+
+
+def model_identity(config: EngineConfig, model_path: Path) -> str:
+    """What names the weights in a block key: the model as configured, its quantization, its config file's hash.
+
+    Not its path: replicas on other nodes load the same model from other folders.
+    """
+    config_file = model_path / "config.json"
+    digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else "-"
+    return f"{config.model}|{config.quantization}|{config.quantization_group_size}|{digest}"
+
+
+def _nothing() -> None:
+    return None
+
+
+def _log_failure(future: Future[Any]) -> None:
+    exc = future.exception()
+    if exc is not None:
+        logger.error("saving KV blocks to the tiers failed: %r", exc)

@@ -1,0 +1,456 @@
+"""The KV tiers below an engine's pool: host memory, local disk, and a cluster store.
+
+Pages that join an engine's prefix cache are copied out (one step's
+``Batch.kv_saves``) and kept here as blocks (``kvcache.kv_blocks``): in host
+memory (LRU, at most ``host_bytes``), spilling to a local disk folder (LRU,
+at most ``disk_bytes``), and written through to the cluster store when
+``cluster`` is on, so that every replica of the cluster can read them. A
+request's admission then finds its prefix in the radix tree first, then
+here: host, disk, cluster, in that order, block by block from the first
+block the tree lacks, stopping at the first block no tier holds.
+
+Every tier is a cache: a block that is missing, corrupt, from another model,
+dtype or layout, a store that died, a disk that is full or unwritable, each
+ends as a miss (the KV is computed again) and a count in ``TierStats.errors``
+with one warning per kind of fault, never as an exception to the engine or
+as wrong KV. Memory and disk stay within their bounds: a block is admitted
+only after older ones are evicted to make room for it.
+
+Thread safety: one worker thread calls ``fetch`` and ``save``; the engine's
+thread calls ``stage``, ``known`` and ``may_hold``, which only read or set
+single dict entries (atomic operations under the GIL).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Protocol
+
+from kvcache.errors import CacheConfigError
+from kvcache.kv_blocks import (
+    BlockKey,
+    decode_block,
+    encode_block,
+    join_blocks,
+    slice_pages,
+    split_pages,
+)
+from kvcache.kv_transfer import KVLayout, RankPayloads
+
+logger = logging.getLogger("flotilla.kv_tiers")
+
+GiB = 1 << 30
+# How many recently saved or loaded keys ``seen`` remembers (so a block is not copied out twice).
+SEEN_KEYS = 1 << 16
+TIER_NAMES = ("host", "disk", "cluster")
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """``EngineConfig.kv_offload``: which tiers an engine keeps evicted prefix pages in.
+
+    ``host_bytes``: host memory for blocks (0: no host tier). ``disk_bytes``:
+    a local disk folder (0: none) at ``disk_path`` (default: a folder of its
+    own under the model cache, removed when the engine stops; a given path is
+    kept and its blocks are found again by the next engine; one engine per
+    path). ``cluster``: write blocks through to the node's KV store actor and
+    read other replicas' blocks from every node's store (needs Ray), each
+    store holding at most ``cluster_bytes``. ``load_wait_s``: the longest a
+    waiting request is held back for its blocks to arrive; past it, it
+    computes its prefix instead (a step never waits for a load).
+    """
+
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    disk_path: str | None = None
+    cluster: bool = False
+    cluster_bytes: int = GiB
+    load_wait_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "disk_bytes", "cluster_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():  # JSON's 2e9
+                value = int(value)
+                object.__setattr__(self, name, value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CacheConfigError("kv_offload", f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.cluster, bool):
+            raise CacheConfigError("kv_offload", f"cluster must be true or false, got {self.cluster!r}")
+        wait = self.load_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 60:
+            raise CacheConfigError("kv_offload", f"load_wait_s must be a number of seconds in [0, 60], got {wait!r}")
+        if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
+            raise CacheConfigError("kv_offload", f"disk_path must be a folder path, got {self.disk_path!r}")
+        if self.disk_path is not None and not self.disk_bytes:
+            raise CacheConfigError("kv_offload", "disk_path is set but disk_bytes is 0: give the disk tier a size")
+        if self.cluster and not self.cluster_bytes:
+            raise CacheConfigError("kv_offload", "cluster is on but cluster_bytes is 0")
+        if not (self.host_bytes or self.disk_bytes or self.cluster):
+            raise CacheConfigError("kv_offload", "every tier is off: set host_bytes, disk_bytes or cluster")
+
+    @classmethod
+    def parse(cls, value: KVOffloadConfig | dict[str, object] | str | None) -> KVOffloadConfig | None:
+        """From a config, a dict, or its JSON text (``--kv-offload``); None stays None."""
+        if value is None or isinstance(value, KVOffloadConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise CacheConfigError("kv_offload", f"is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise CacheConfigError("kv_offload", f"must be an object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise CacheConfigError("kv_offload", f"unknown field {unknown[0]!r}; known: {sorted(known)}")
+        return cls(**value)  # type: ignore[arg-type]  # each field is checked in __post_init__
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class TierStats:
+    """One tier's counters since the engine started (``/metrics`` and ``stats``)."""
+
+    lookups: int = 0  # blocks asked for
+    hits: int = 0  # blocks found and whole
+    bytes_read: int = 0
+    bytes_written: int = 0
+    load_seconds: float = 0.0
+    errors: int = 0  # faults turned into misses or dropped writes (corrupt block, dead store, full disk)
+    blocks: int = 0  # blocks held now (the cluster tier: put by this engine)
+    bytes: int = 0  # bytes held now (likewise)
+
+    def to_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class BlockStore(Protocol):
+    """The cluster tier as a client sees it (``actors.remote.kv_store``). Any failure raises."""
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first on, some store holds."""
+
+    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """The encoded blocks of ``keys``, None where a store no longer holds one."""
+
+    def put(self, items: Sequence[tuple[BlockKey, bytes]]) -> None:
+        """Hand encoded blocks to the store (it may drop them to stay within its bound)."""
+
+
+class HostTier:
+    """Blocks in this process's memory, LRU within ``max_bytes``."""
+
+    def __init__(self, max_bytes: int, stats: TierStats) -> None:
+        self.max_bytes = max_bytes
+        self.stats = stats
+        self._blocks: OrderedDict[BlockKey, RankPayloads] = OrderedDict()
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def get(self, key: BlockKey) -> RankPayloads | None:
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+        return block
+
+    def put(self, key: BlockKey, block: RankPayloads) -> list[tuple[BlockKey, RankPayloads]]:
+        """Keep ``block``; returns the blocks evicted to make room (or ``block`` itself, if it cannot fit)."""
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return []
+        size = _nbytes(block)
+        if size > self.max_bytes:
+            return [(key, block)]
+        evicted = []
+        while self.stats.bytes + size > self.max_bytes:
+            old_key, old = self._blocks.popitem(last=False)
+            self.stats.bytes -= _nbytes(old)
+            evicted.append((old_key, old))
+        self._blocks[key] = block
+        self.stats.bytes += size
+        self.stats.bytes_written += size
+        self.stats.blocks = len(self._blocks)
+        return evicted
+
+
+class DiskTier:
+    """Encoded blocks as files ``<key hex>.kvb`` in one folder, LRU within ``max_bytes``.
+
+    The folder's existing blocks are indexed at start (oldest first by
+    modification time), so a restarted engine finds them again. Writes go to
+    a temporary name and are renamed into place, so a reader never sees half
+    a block; a write that fails (full disk, no permission) drops the block.
+    """
+
+    SUFFIX = ".kvb"
+
+    def __init__(self, path: Path, max_bytes: int, stats: TierStats) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.stats = stats
+        self._files: OrderedDict[BlockKey, int] = OrderedDict()
+        path.mkdir(parents=True, exist_ok=True)
+        found = []
+        for f in path.glob(f"*{self.SUFFIX}"):
+            try:
+                key = bytes.fromhex(f.stem)
+                st = f.stat()
+            except (ValueError, OSError):
+                continue
+            found.append((st.st_mtime, key, st.st_size))
+        for _, key, size in sorted(found):
+            self._files[key] = size
+            stats.bytes += size
+        stats.blocks = len(self._files)
+        self._make_room(0)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._files
+
+    def file(self, key: BlockKey) -> Path:
+        return self.path / f"{key.hex()}{self.SUFFIX}"
+
+    def get(self, key: BlockKey) -> bytes | None:
+        if key not in self._files:
+            return None
+        try:
+            data = self.file(key).read_bytes()
+        except OSError:
+            self._forget(key)
+            return None
+        self._files.move_to_end(key)
+        return data
+
+    def put(self, key: BlockKey, data: bytes) -> bool:
+        if key in self._files:
+            self._files.move_to_end(key)
+            return True
+        if len(data) > self.max_bytes:
+            return False
+        self._make_room(len(data))
+        tmp = self.path / f".{key.hex()}.{os.getpid()}.tmp"
+        try:
+            self.write(tmp, data)
+            os.replace(tmp, self.file(key))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.stats.errors += 1
+            _warn_once(f"disk-{e.errno}", "KV disk tier: writing a block to %s failed (%s); the block is dropped",
+                       self.path, errno.errorcode.get(e.errno or 0, str(e)))  # fmt: skip
+            return False
+        self._files[key] = len(data)
+        self.stats.bytes += len(data)
+        self.stats.bytes_written += len(data)
+        self.stats.blocks = len(self._files)
+        return True
+
+    @staticmethod
+    def write(path: Path, data: bytes) -> None:
+        """Write one file (the one place a full or unwritable disk shows up)."""
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def remove(self, key: BlockKey) -> None:
+        """Drop a block (found corrupt or foreign)."""
+        self.file(key).unlink(missing_ok=True)
+        self._forget(key)
+
+    def _forget(self, key: BlockKey) -> None:
+        size = self._files.pop(key, None)
+        if size is not None:
+            self.stats.bytes -= size
+            self.stats.blocks = len(self._files)
+
+    def _make_room(self, size: int) -> None:
+        while self._files and self.stats.bytes + size > self.max_bytes:
+            key = next(iter(self._files))
+            self.file(key).unlink(missing_ok=True)
+            self._forget(key)
+
+
+class TieredKV:
+    """Host, disk and cluster tiers of one engine (each optional), read and written in that order."""
+
+    def __init__(self, config: KVOffloadConfig, layout: KVLayout, world_size: int, *,
+                 disk_path: Path | None, store: BlockStore | None) -> None:  # fmt: skip
+        self.layout = layout
+        self.world_size = world_size
+        self.stats = {name: TierStats() for name in TIER_NAMES}
+        self.host = HostTier(config.host_bytes, self.stats["host"]) if config.host_bytes else None
+        self.disk = None
+        if config.disk_bytes:
+            assert disk_path is not None
+            self.disk = DiskTier(disk_path, config.disk_bytes, self.stats["disk"])
+        self.store = store
+        # Keys saved or loaded lately (oldest first): the cluster tier's blocks are not copied out again.
+        self.seen: dict[BlockKey, None] = {}
+        # Blocks handed over (``stage``) whose ``save`` has not run yet: found by loads meanwhile.
+        self.staged: dict[BlockKey, tuple[RankPayloads, int]] = {}
+
+    def may_hold(self, key: BlockKey) -> bool:
+        """Whether a tier might hold ``key`` (the cluster always might: asking it costs a call)."""
+        return (self.store is not None or key in self.staged or (self.host is not None and key in self.host)
+                or (self.disk is not None and key in self.disk))  # fmt: skip
+
+    def stage(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
+        """Make the pages of ``payloads`` findable now; ``save`` (on the worker) files them later."""
+        for i, key in enumerate(keys):
+            self.staged[key] = (payloads, i)
+
+    def fetch(self, keys: Sequence[BlockKey]) -> RankPayloads | None:
+        """The blocks of ``keys`` from the first up to the first no tier holds, joined; None if the first is missing."""
+        blocks: list[RankPayloads] = []
+        for key in keys:
+            block = self._local(key)
+            if block is None:
+                break
+            blocks.append(block)
+        if len(blocks) < len(keys) and self.store is not None:
+            blocks += self._cluster(keys[len(blocks) :])
+        for key in keys[: len(blocks)]:
+            self._see(key)
+        return join_blocks(blocks) if blocks else None
+
+    def save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
+        """Keep the pages of ``payloads`` (one per key, in order) in every tier that is on."""
+        try:
+            self._save(keys, payloads)
+        finally:
+            for key in keys:
+                self._see(key)
+                self.staged.pop(key, None)
+
+    def known(self, key: BlockKey) -> bool:
+        """Whether a tier holds ``key`` or it waits to be saved: no need to copy it out again.
+
+        For the cluster tier, "holds" is "was put or read lately" (``seen``): its stores are not asked.
+        """
+        return (key in self.staged or (self.host is not None and key in self.host)
+                or (self.disk is not None and key in self.disk) or (self.store is not None and key in self.seen))
+
+    def _save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
+        blocks = split_pages(payloads)
+        assert len(blocks) == len(keys), (len(blocks), len(keys))
+        spill: list[tuple[BlockKey, RankPayloads]] = list(zip(keys, blocks, strict=True))
+        if self.host is not None:
+            spill = [old for key, block in spill for old in self.host.put(key, block)]
+        if self.disk is not None:
+            for key, block in spill:
+                data = encode_block(key, self.layout, block)
+                self.disk.put(key, data)
+        if self.store is not None:
+            items = [(key, encode_block(key, self.layout, block)) for key, block in zip(keys, blocks, strict=True)]
+            try:
+                self.store.put(items)
+            except Exception as e:  # noqa: BLE001 - a dead or unreachable store is a dropped write
+                self._store_failed("put", e)
+            else:
+                stats = self.stats["cluster"]
+                stats.bytes_written += sum(len(d) for _, d in items)
+                stats.blocks += len(items)
+
+    def _local(self, key: BlockKey) -> RankPayloads | None:
+        staged = self.staged.get(key)
+        if staged is not None:
+            stats = self.stats["host"]
+            stats.lookups += 1
+            stats.hits += 1
+            return slice_pages(staged[0], staged[1], staged[1] + 1)
+        if self.host is not None:
+            stats = self.stats["host"]
+            stats.lookups += 1
+            block = self.host.get(key)
+            if block is not None:
+                stats.hits += 1
+                stats.bytes_read += _nbytes(block)
+                return block
+        if self.disk is None or key not in self.disk:
+            if self.disk is not None:
+                self.stats["disk"].lookups += 1
+            return None
+        stats = self.stats["disk"]
+        stats.lookups += 1
+        start = time.perf_counter()
+        data = self.disk.get(key)
+        block = None if data is None else decode_block(data, key, self.layout, self.world_size)
+        stats.load_seconds += time.perf_counter() - start
+        if block is None:
+            if data is not None:
+                stats.errors += 1
+                _warn_once("disk-corrupt", "KV disk tier: block %s in %s is corrupt or from another model or "
+                                           "layout; it is dropped and recomputed", key.hex(), self.disk.path)
+                self.disk.remove(key)
+            return None
+        stats.hits += 1
+        stats.bytes_read += len(data or b"")
+        # Not promoted to host memory: what that pushed out would go to disk and could evict the very
+        # blocks later in this chain. The load puts it into the pool; the pool's radix tree is its cache.
+        return block
+
+    def _cluster(self, keys: Sequence[BlockKey]) -> list[RankPayloads]:
+        assert self.store is not None
+        stats = self.stats["cluster"]
+        stats.lookups += len(keys)
+        start = time.perf_counter()
+        blocks: list[RankPayloads] = []
+        try:
+            found = self.store.lookup(keys)
+            datas = self.store.get(keys[:found]) if found else []
+        except Exception as e:  # noqa: BLE001 - a dead or unreachable store is a miss
+            self._store_failed("read", e)
+            return []
+        finally:
+            stats.load_seconds += time.perf_counter() - start
+        for key, data in zip(keys, datas, strict=False):
+            block = None if data is None else decode_block(data, key, self.layout, self.world_size)
+            if block is None:
+                if data is not None:
+                    stats.errors += 1
+                    _warn_once("cluster-corrupt", "KV cluster tier: block %s is corrupt or from another model "
+                                                  "or layout; it is recomputed", key.hex())
+                break
+            stats.bytes_read += len(data or b"")
+            blocks.append(block)
+        stats.hits += len(blocks)
+        return blocks
+
+    def _store_failed(self, what: str, e: Exception) -> None:
+        self.stats["cluster"].errors += 1
+        self.seen.clear()  # what the store held may be gone with it: save blocks again
+        _warn_once(f"cluster-{what}", "KV cluster tier: %s failed (%s: %s); the KV is recomputed until the "
+                                      "store answers again", what, type(e).__name__, e)
+
+    def _see(self, key: BlockKey) -> None:
+        seen = self.seen
+        seen.pop(key, None)
+        seen[key] = None
+        if len(seen) > SEEN_KEYS:
+            del seen[next(iter(seen))]
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(kind: str, message: str, *args: object) -> None:
+    # One warning per kind of fault per process: a dead store would otherwise log on every request.
+    # The counts keep going up in ``TierStats.errors``.
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        logger.warning(message, *args)
+
+
+def _nbytes(block: RankPayloads) -> int:
+    return sum(p.nbytes for p in block)

@@ -1,0 +1,212 @@
+"""KV tiers below the pool: block keys, block bytes and their checks, the host and disk tiers within bounds."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvcache.errors import CacheConfigError
+from kvcache.kv_blocks import (
+    KEY_BYTES,
+    block_keys,
+    block_salt,
+    decode_block,
+    encode_block,
+    join_blocks,
+    split_pages,
+)
+from kvcache.kv_pool import KVPool
+from kvcache.kv_tiers import BlockStore, DiskTier, KVOffloadConfig, TieredKV, TierStats
+from kvcache.kv_transfer import KVLayout, RankPayloads
+
+SHAPE: dict[str, Any] = {"num_layers": 2, "page_size": 4, "num_kv_heads": 2, "head_dim": 8}
+
+
+def _pool(dtype: torch.dtype = torch.float32, kv_dtype: str = "auto", seed: int = 0) -> KVPool:
+    pool = KVPool(num_pages=16, dtype=dtype, kv_dtype=kv_dtype, **SHAPE)
+    gen = torch.Generator().manual_seed(seed)
+    for caches in (pool.k_caches, pool.v_caches):
+        for c in caches:
+            c.copy_(torch.randn(c.shape, generator=gen).to(c.dtype))
+    for scales in (pool.k_scales or [], pool.v_scales or []):
+        for s in scales:
+            s.copy_(torch.rand(s.shape, generator=gen).to(s.dtype))
+    return pool
+
+
+def _pages(pool: KVPool, pages: list[int]) -> RankPayloads:
+    return (pool.read_pages(pages),)
+
+
+def _equal(a: RankPayloads, b: RankPayloads) -> bool:
+    return all(
+        torch.equal(x, y)
+        for pa, pb in zip(a, b, strict=True)
+        for x, y in zip(pa.k + pa.v + (pa.k_scales or ()), pb.k + pb.v + (pb.k_scales or ()), strict=True)
+    )
+
+
+def test_keys_chain_every_token_before_them() -> None:
+    layout = KVLayout.of(_pool())
+    salt = block_salt("m", None, layout, 1)
+    tokens = list(range(20))
+    keys = block_keys(salt, tokens, 5, 4)
+    assert len(keys) == 5 and len(set(keys)) == 5 and all(len(k) == KEY_BYTES for k in keys)
+    changed = block_keys(salt, [99, *tokens[1:]], 5, 4)
+    assert all(a != b for a, b in zip(keys, changed, strict=True))  # the first token reaches every key
+    late = block_keys(salt, [*tokens[:12], 99, *tokens[13:]], 5, 4)
+    assert late[:3] == keys[:3] and all(a != b for a, b in zip(keys[3:], late[3:], strict=True))
+    for other in (block_salt("m2", None, layout, 1), block_salt("m", "adapter-a", layout, 1),
+                  block_salt("m", None, KVLayout.of(_pool(torch.bfloat16)), 1), block_salt("m", None, layout, 2)):
+        assert block_keys(other, tokens, 5, 4)[0] != keys[0]
+    with pytest.raises(ValueError, match="need 24 tokens"):
+        block_keys(salt, tokens, 6, 4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_blocks_round_trip_and_refuse_anything_else(kv_dtype: str) -> None:
+    pool = _pool(kv_dtype=kv_dtype)
+    layout = KVLayout.of(pool)
+    block = _pages(pool, [3])
+    key, other_key = b"k" * KEY_BYTES, b"o" * KEY_BYTES
+    data = encode_block(key, layout, block)
+    back = decode_block(data, key, layout, 1)
+    assert back is not None and _equal(back, block)
+    assert decode_block(data, other_key, layout, 1) is None  # someone else's block under this name
+    assert decode_block(data, key, layout, 2) is None  # another tensor-parallel size
+    for pos in (len(data) // 2, len(data) - 1, 3, 40):
+        corrupt = bytearray(data)
+        corrupt[pos] ^= 0x10
+        assert decode_block(bytes(corrupt), key, layout, 1) is None, pos
+    assert decode_block(data[:-5], key, layout, 1) is None
+    assert decode_block(b"", key, layout, 1) is None
+    # A whole, well-formed block of another model dtype, filed under this key: refused by its layout.
+    bf16 = _pool(torch.bfloat16)
+    foreign = encode_block(key, KVLayout.of(bf16), _pages(bf16, [3]))
+    assert decode_block(foreign, key, layout, 1) is None
+
+
+def test_split_and_join_are_inverse() -> None:
+    pool = _pool()
+    payload = _pages(pool, [5, 1, 9])
+    blocks = split_pages(payload)
+    assert [b[0].num_pages for b in blocks] == [1, 1, 1]
+    assert _equal(join_blocks(blocks), payload)
+    assert _equal(blocks[1], _pages(pool, [1]))
+
+
+def test_config_is_checked_by_name() -> None:
+    assert KVOffloadConfig.parse('{"host_bytes": 2e6}') == KVOffloadConfig(host_bytes=2_000_000)
+    assert KVOffloadConfig.parse(None) is None
+    for bad, words in [({}, "every tier is off"), ({"host_bytes": -1}, "host_bytes"), ({"hots_bytes": 1}, "unknown"),
+                       ({"disk_path": "/tmp/x"}, "disk_bytes is 0"), ("{nope", "not valid JSON"),
+                       ({"cluster": "yes"}, "cluster must be"), ({"host_bytes": 1, "load_wait_s": 90}, "load_wait_s"),
+                       ([1], "must be an object")]:  # fmt: skip
+        with pytest.raises(CacheConfigError, match=words) as info:
+            KVOffloadConfig.parse(bad)  # type: ignore[arg-type]
+        assert info.value.param == "kv_offload"
+
+
+def _tiers(tmp_path: Path, *, host: int = 0, disk: int = 0, store: BlockStore | None = None) -> TieredKV:
+    config = KVOffloadConfig(host_bytes=host, disk_bytes=disk, cluster=store is not None)
+    return TieredKV(config, KVLayout.of(_pool()), 1, disk_path=tmp_path / "blocks" if disk else None, store=store)
+
+
+def _keys(n: int, seed: int = 0) -> list[bytes]:
+    return block_keys(bytes([seed]) * 16, list(range(4 * n)), n, 4)
+
+
+def test_host_tier_keeps_the_newest_blocks_within_its_bytes(tmp_path: Path) -> None:
+    pool = _pool()
+    block_bytes = pool.read_pages([0]).nbytes
+    tiers = _tiers(tmp_path, host=3 * block_bytes)
+    keys = _keys(5)
+    tiers.save(keys, _pages(pool, [0, 1, 2, 3, 4]))
+    host = tiers.stats["host"]
+    assert host.bytes <= 3 * block_bytes and host.blocks == 3
+    assert tiers.fetch(keys) is None  # the first two were evicted: the chain starts with a miss
+    got = tiers.fetch(keys[2:])
+    assert got is not None and _equal(got, _pages(pool, [2, 3, 4]))
+
+
+def test_disk_tier_spills_from_host_and_stays_within_bytes(tmp_path: Path) -> None:
+    pool = _pool()
+    block_bytes = pool.read_pages([0]).nbytes
+    file_bytes = len(encode_block(b"k" * KEY_BYTES, KVLayout.of(pool), _pages(pool, [0])))
+    tiers = _tiers(tmp_path, host=2 * block_bytes, disk=4 * file_bytes + file_bytes // 2)
+    keys = _keys(8)
+    tiers.save(keys, _pages(pool, list(range(8))))
+    disk = tiers.stats["disk"]
+    files = list((tmp_path / "blocks").glob("*.kvb"))
+    assert len(files) == 4 and sum(f.stat().st_size for f in files) == disk.bytes <= 4 * file_bytes + file_bytes // 2
+    # The newest six: two in host memory, four on disk; the first two are gone.
+    got = tiers.fetch(keys[2:])
+    assert got is not None and _equal(got, _pages(pool, list(range(2, 8))))
+    assert disk.hits == 4 and tiers.stats["host"].hits >= 2
+
+
+def test_disk_blocks_are_found_again_by_a_new_engine(tmp_path: Path) -> None:
+    pool = _pool()
+    keys = _keys(3)
+    _tiers(tmp_path, disk=1 << 20).save(keys, _pages(pool, [7, 8, 9]))
+    again = _tiers(tmp_path, disk=1 << 20)
+    got = again.fetch(keys)
+    assert got is not None and _equal(got, _pages(pool, [7, 8, 9]))
+
+
+def test_a_corrupt_disk_block_is_a_miss_and_is_removed(tmp_path: Path) -> None:
+    pool = _pool()
+    keys = _keys(3)
+    tiers = _tiers(tmp_path, disk=1 << 20)
+    tiers.save(keys, _pages(pool, [0, 1, 2]))
+    victim = tiers.disk.file(keys[1]) if tiers.disk is not None else None
+    assert victim is not None
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    got = tiers.fetch(keys)
+    assert got is not None and got[0].num_pages == 1  # only the block before the corrupt one
+    assert tiers.stats["disk"].errors == 1 and not victim.exists()
+
+
+def test_a_full_disk_drops_blocks_without_raising(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "write", staticmethod(full))
+    pool = _pool()
+    tiers = _tiers(tmp_path, disk=1 << 20)
+    keys = _keys(2)
+    tiers.save(keys, _pages(pool, [0, 1]))
+    disk = tiers.stats["disk"]
+    assert disk.errors == 2 and disk.blocks == 0 and disk.bytes == 0
+    assert not list((tmp_path / "blocks").iterdir())  # no temporary file left behind
+    assert tiers.fetch(keys) is None
+
+
+class _DeadStore:
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        raise ConnectionError("store gone")
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        raise ConnectionError("store gone")
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        raise ConnectionError("store gone")
+
+
+def test_a_dead_cluster_store_is_a_miss(tmp_path: Path) -> None:
+    tiers = _tiers(tmp_path, store=_DeadStore())
+    keys = _keys(2)
+    tiers.save(keys, _pages(_pool(), [0, 1]))
+    assert tiers.fetch(keys) is None
+    assert tiers.stats["cluster"].errors == 2
+
+
+def test_stats_are_plain_numbers() -> None:
+    assert set(TierStats().to_dict()) >= {"lookups", "hits", "bytes_read", "bytes_written", "load_seconds", "errors"}

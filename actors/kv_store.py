@@ -31,6 +31,7 @@ NAMESPACE = "flotilla"
 NAME_PREFIX = "flotilla-kv-store-"
 # How often a client looks for stores on nodes it has not seen yet (seconds).
 REFRESH_S = 10.0
+STARTUP_TIMEOUT_S = 120.0  # a new store actor's process start on a busy node
 
 
 @ray.remote(num_cpus=0)
@@ -51,12 +52,14 @@ class KVStoreActor:
             n += 1
         return n
 
-    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def fetch(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        """The blocks of the longest run of ``keys``, from the first on, that this store holds."""
+        out: list[bytes] = []
         for key in keys:
             data = self._blocks.get(key)
-            if data is not None:
-                self._blocks.move_to_end(key)
+            if data is None:
+                break
+            self._blocks.move_to_end(key)
             out.append(data)
         return out
 
@@ -101,28 +104,21 @@ class RayBlockStore:
         self._local: ActorHandle | None = None
         self._stores: dict[str, ActorHandle] = {}
         self._refreshed = 0.0
+        # Started (or found) now, while the engine starts: a store's start-up is not a request's wait.
+        ray.get(self._local_store().stats.remote(), timeout=STARTUP_TIMEOUT_S)
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        self._best = None
-        stores = list(self._all().items())
+    def fetch(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        """From the one store on this cluster in one call; with several, the one holding the longest run."""
+        stores = list(self._all().values())
+        keys = list(keys)
         try:
-            counts: list[int] = ray.get([s.lookup.remote(list(keys)) for _, s in stores], timeout=self.timeout_s)
-        except Exception:
-            self._forget()
-            raise
-        if not counts:
-            return 0
-        best = max(range(len(counts)), key=counts.__getitem__)
-        self._best = stores[best][1] if counts[best] else None
-        return int(counts[best])
-
-    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
-        """From the store the last ``lookup`` found the longest run in."""
-        store = self._best
-        if store is None:
-            return [None] * len(keys)
-        try:
-            return list(ray.get(store.get.remote(list(keys)), timeout=self.timeout_s))
+            if len(stores) == 1:
+                return list(ray.get(stores[0].fetch.remote(keys), timeout=self.timeout_s))
+            counts: list[int] = ray.get([s.lookup.remote(keys) for s in stores], timeout=self.timeout_s)
+            best = max(range(len(counts)), key=counts.__getitem__)
+            if not counts[best]:
+                return []
+            return list(ray.get(stores[best].fetch.remote(keys[: counts[best]]), timeout=self.timeout_s))
         except Exception:
             self._forget()
             raise
@@ -164,6 +160,3 @@ class RayBlockStore:
         # A store failed: look them up again (restarting the local one) on the next call.
         self._local = None
         self._stores = {}
-        self._best = None
-
-    _best: ActorHandle | None = None

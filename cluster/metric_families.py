@@ -105,6 +105,18 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
     _c("lora_resident_hits", "Adapter requests that found their adapter already loaded on this replica "
        "(over lora_resident_hits + lora_loads: the router's hit rate)."),
     _c("lora_loads", "Adapters this replica loaded on a request's arrival (the request waited for the load)."),
+    # KV tiers (actors/engine/kv_offload): per tier (host, disk, cluster) what this replica's engine asked,
+    # found, moved, waited for, and the faults that became misses or dropped writes.
+    _c("kv_tier_lookups", "KV blocks this replica asked a tier for.", (*REPLICA_LABELS, "tier")),
+    _c("kv_tier_hits", "KV blocks found whole in a tier (loaded instead of computed).", (*REPLICA_LABELS, "tier")),
+    _c("kv_tier_bytes_read", "Bytes of KV blocks read from a tier.", (*REPLICA_LABELS, "tier")),
+    _c("kv_tier_bytes_written", "Bytes of KV blocks written to a tier.", (*REPLICA_LABELS, "tier")),
+    _c("kv_tier_load_seconds", "Seconds spent reading KV blocks from a tier (off the step's path).",
+       (*REPLICA_LABELS, "tier")),
+    _c("kv_tier_errors", "Faults of a tier turned into misses or dropped writes (corrupt or foreign block, dead "
+       "store, full disk): the warning metric.", (*REPLICA_LABELS, "tier")),
+    _g("kv_tier_bytes", "Bytes a tier holds for this replica now (the cluster tier: written by it).",
+       (*REPLICA_LABELS, "tier")),
     # Prefill/decode disaggregation, on decode replicas (apps.disaggregation): prompts prefilled on the
     # prefill pool, retries of failed prefills, KV bytes received and the time moving them took.
     _c("pd_remote_prefills", "Prompts this decode replica had computed on the prefill pool."),

@@ -39,6 +39,7 @@ from cluster.metric_families import (
     Family,
     family,
 )
+from kvcache.kv_tiers import TIER_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +232,13 @@ class ReplicaMetrics:
         for adapter, seconds in stats.lora_load_seconds:
             self._record("lora_load_seconds", seconds, adapter=adapter)
         self._observe_compiles(stats.grammar_compiles_total, stats.grammar_compile_seconds_recent)
+        for tier, counters in stats.kv_tiers:
+            if tier not in TIER_NAMES:
+                continue  # the engine's own counts (load timeouts, dropped saves) are in its stats
+            values = dict(counters)
+            for name in ("lookups", "hits", "bytes_read", "bytes_written", "load_seconds", "errors"):
+                self._advance(f"kv_tier_{name}", values[name], tier=tier)
+            self._record("kv_tier_bytes", values["bytes"], tier=tier)
         self._record("memory_used_bytes", stats.memory_used_bytes)
         self._record("memory_peak_bytes", stats.memory_peak_bytes)
         self._record("memory_limit_bytes", stats.memory_limit_bytes)

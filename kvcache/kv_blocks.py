@@ -1,16 +1,20 @@
-"""KV blocks for the tiers below the pool: their keys, and their bytes with a checksum.
+"""KV blocks for the tiers below the pool: their keys, their tensors, and their bytes with a checksum.
 
-A block is one page's KV on every tensor-parallel rank (a ``RankPayloads`` of
-one page each). Its key is a hash chain over page-aligned token blocks,
-seeded by everything that decides what the KV holds (``block_salt``): the
+A block is one page's KV on every tensor-parallel rank: per rank one
+contiguous tensor of every layer's k then v (``Block``; with quantized KV a
+second one of their scales), so that splitting a step's pages into blocks,
+writing one to bytes, reading it back and joining blocks into pages are a
+few large copies each, not one per layer. Its key is a hash chain over
+page-aligned token blocks, seeded by everything that decides what the KV holds (``block_salt``): the
 model, the request's cache namespace (its adapter too), the model dtype, the
 KV dtype, the page size and the pool layout. Equal keys therefore mean equal
 token prefixes of equal models; the chain makes a block's key depend on
 every token before it, as attention does.
 
 On disk and in the cluster store a block travels as bytes (``encode_block``):
-a header naming its key and layout, a CRC32 of the body, then the body. A
-reader (``decode_block``) checks all three and answers None for a block that
+a header naming its key and layout, a CRC32 of the body, then the raw
+tensors (their sizes follow from the layout). A reader (``decode_block``)
+checks all three and answers None for a block that
 is missing, corrupt, or from another model, dtype or layout: a miss, which
 the engine answers by computing the KV again. Never wrong KV.
 """
@@ -19,27 +23,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import struct
+import warnings
 import zlib
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from kvcache.kv_transfer import (
-    KVLayout,
-    KVPayload,
-    KVPayloadMismatchError,
-    RankPayloads,
-    check_layout,
-)
+from kvcache.kv_quant import SCALE_DTYPE
+from kvcache.kv_transfer import INT_OF_WIDTH, KVLayout, KVPayload, RankPayloads
 
 BlockKey = bytes  # KEY_BYTES of a blake2b digest
 
 KEY_BYTES = 16
-_MAGIC = b"FLKVB001"
+_MAGIC = b"FLKVB002"
 _HEADER = struct.Struct("<8s16sII")  # magic, key, layout JSON length, CRC32 of the body
 
 
@@ -65,15 +64,92 @@ def block_keys(salt: bytes, token_ids: Sequence[int], num_blocks: int, page_size
     return keys
 
 
-def encode_block(key: BlockKey, layout: KVLayout, block: RankPayloads) -> bytes:
-    """A one-page block as bytes: header (key, layout), CRC32 of the body, the body."""
-    assert len(key) == KEY_BYTES and all(p.num_pages == 1 for p in block), [p.num_pages for p in block]
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One page's KV on every rank: ``kv[r]`` is rank r's ``(2 * num_layers, page_size, kv_heads, head_dim)``
+    (every layer's k, then every layer's v) in the pool's storage dtype; ``scales[r]`` likewise
+    ``(2 * num_layers, page_size, kv_heads)`` bfloat16 for quantized KV, else None."""
+
+    kv: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...] | None
+    kv_dtype: str
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv + (self.scales or ()))
+
+
+def blocks_of(payloads: RankPayloads) -> list[Block]:
+    """One block per page of ``payloads``, each in memory of its own (not a view of the step's copy)."""
+    kv = [torch.stack([*p.k, *p.v], dim=1) for p in payloads]  # (pages, 2L, page_size, heads, head_dim)
+    first = payloads[0]
+    scales = None
+    if first.k_scales is not None:
+        scales = [torch.stack([*(p.k_scales or ()), *(p.v_scales or ())], dim=1) for p in payloads]
+    return [
+        Block(tuple(x[i].clone() for x in kv), None if scales is None else tuple(x[i].clone() for x in scales),
+              first.kv_dtype, first.dtype)
+        for i in range(first.num_pages)
+    ]  # fmt: skip
+
+
+def page_block(payloads: RankPayloads, page: int) -> Block:
+    """Page ``page`` of ``payloads`` as a block (for one page: ``blocks_of`` copies them all)."""
+    first = payloads[0]
+    kv = tuple(torch.stack([t[page] for t in (*p.k, *p.v)]) for p in payloads)
+    scales = None
+    if first.k_scales is not None:
+        scales = tuple(torch.stack([t[page] for t in (*(p.k_scales or ()), *(p.v_scales or ()))]) for p in payloads)
+    return Block(kv, scales, first.kv_dtype, first.dtype)
+
+
+def payloads_of(blocks: Sequence[Block]) -> RankPayloads:
+    """The pages of ``blocks`` in order, one payload per rank (what a pool's ``write_pages`` takes)."""
+    assert blocks
+    first = blocks[0]
+    out = []
+    for r in range(len(first.kv)):
+        kv = torch.stack([b.kv[r] for b in blocks])  # (pages, 2L, ...)
+        layers = kv.shape[1] // 2
+        k_scales = v_scales = None
+        if first.scales is not None:
+            sc = torch.stack([b.scales[r] for b in blocks if b.scales is not None])
+            k_scales = tuple(sc[:, i] for i in range(layers))
+            v_scales = tuple(sc[:, layers + i] for i in range(layers))
+        out.append(KVPayload(
+            k=tuple(kv[:, i] for i in range(layers)), v=tuple(kv[:, layers + i] for i in range(layers)),
+            k_scales=k_scales, v_scales=v_scales, kv_dtype=first.kv_dtype, dtype=first.dtype,
+        ))  # fmt: skip
+    return tuple(out)
+
+
+def slice_pages(payloads: RankPayloads, start: int, stop: int) -> RankPayloads:
+    """Pages ``[start, stop)`` of every rank's payload (views)."""
+    return tuple(
+        KVPayload(
+            k=tuple(t[start:stop] for t in p.k), v=tuple(t[start:stop] for t in p.v),
+            k_scales=None if p.k_scales is None else tuple(t[start:stop] for t in p.k_scales),
+            v_scales=None if p.v_scales is None else tuple(t[start:stop] for t in p.v_scales),
+            kv_dtype=p.kv_dtype, dtype=p.dtype,
+        )
+        for p in payloads
+    )  # fmt: skip
+
+
+def encode_block(key: BlockKey, layout: KVLayout, block: Block) -> bytes:
+    """A block as bytes: header (key, layout), CRC32 of the body, the body (each rank's tensors, raw)."""
+    assert len(key) == KEY_BYTES
     meta = json.dumps(asdict(layout), sort_keys=True).encode()
-    body = pickle.dumps(block, protocol=5)
-    return _HEADER.pack(_MAGIC, key, len(meta), zlib.crc32(body)) + meta + body
+    parts = [_raw(t) for r in range(len(block.kv)) for t in (block.kv[r], *(() if block.scales is None else
+                                                                             (block.scales[r],)))]  # fmt: skip
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join([_HEADER.pack(_MAGIC, key, len(meta), crc), meta, *parts])  # the one copy of the tensors
 
 
-def decode_block(data: bytes, key: BlockKey, layout: KVLayout, world_size: int) -> RankPayloads | None:
+def decode_block(data: bytes, key: BlockKey, layout: KVLayout, world_size: int) -> Block | None:
     """The block in ``data`` if it is whole and is ``key``'s block for ``layout``; else None (a miss)."""
     if len(data) < _HEADER.size:
         return None
@@ -81,65 +157,47 @@ def decode_block(data: bytes, key: BlockKey, layout: KVLayout, world_size: int) 
     if magic != _MAGIC or stored_key != key:
         return None
     start = _HEADER.size + meta_len
-    body = memoryview(data)[start:]
-    if zlib.crc32(body) != crc:
-        return None
     try:
         if json.loads(bytes(data[_HEADER.size : start])) != asdict(layout):
             return None
-        block = pickle.loads(body)
-    except (ValueError, pickle.UnpicklingError, EOFError, TypeError, AttributeError):
+    except ValueError:
         return None
-    if not isinstance(block, tuple) or len(block) != world_size:
+    body = memoryview(data)[start:]
+    storage = getattr(torch, layout.storage_dtype)
+    kv_shape = (2 * layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    kv_bytes = _numel(kv_shape) * torch.tensor([], dtype=storage).element_size()
+    quantized = layout.kv_dtype != "auto"
+    sc_shape = kv_shape[:3]
+    sc_bytes = _numel(sc_shape) * 2 if quantized else 0
+    if len(body) != world_size * (kv_bytes + sc_bytes) or zlib.crc32(body) != crc:
         return None
-    try:
-        for payload in block:
-            if not isinstance(payload, KVPayload) or payload.num_pages != 1:
-                return None
-            check_layout(layout, payload)
-    except KVPayloadMismatchError:
-        return None
-    return block
+    kv, scales = [], []
+    pos = 0
+    for _ in range(world_size):
+        kv.append(_tensor(body[pos : pos + kv_bytes], storage, kv_shape))
+        pos += kv_bytes
+        if quantized:
+            scales.append(_tensor(body[pos : pos + sc_bytes], SCALE_DTYPE, sc_shape))
+            pos += sc_bytes
+    return Block(tuple(kv), tuple(scales) if quantized else None, layout.kv_dtype, layout.dtype)
 
 
-def split_pages(payloads: RankPayloads) -> list[RankPayloads]:
-    """One block per page of ``payloads``, each an owned copy (not a view that keeps the step's buffer alive)."""
-    return [tuple(_page(p, i) for p in payloads) for i in range(payloads[0].num_pages)]
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
-def join_blocks(blocks: Sequence[RankPayloads]) -> RankPayloads:
-    """The pages of ``blocks`` in order, as one payload per rank (what a pool's ``write_pages`` takes)."""
-    assert blocks
-    if len(blocks) == 1:
-        return blocks[0]
-    return tuple(_cat([b[r] for b in blocks]) for r in range(len(blocks[0])))
+def _raw(t: torch.Tensor) -> memoryview:
+    array: np.ndarray = t.contiguous().view(INT_OF_WIDTH[t.element_size()]).numpy()
+    return memoryview(array.data).cast("B")
 
 
-def slice_pages(payloads: RankPayloads, start: int, stop: int) -> RankPayloads:
-    """Pages ``[start, stop)`` of every rank's payload (views)."""
-    return tuple(_map(p, lambda t: t[start:stop]) for p in payloads)
-
-
-def _page(p: KVPayload, i: int) -> KVPayload:
-    return _map(p, lambda t: t[i : i + 1].clone())
-
-
-def _cat(parts: list[KVPayload]) -> KVPayload:
-    def cat(seqs: list[tuple[torch.Tensor, ...] | None]) -> tuple[torch.Tensor, ...] | None:
-        if seqs[0] is None:
-            return None
-        return tuple(torch.cat([s[layer] for s in seqs if s is not None]) for layer in range(len(seqs[0])))
-
-    k, v = cat([q.k for q in parts]), cat([q.v for q in parts])
-    assert k is not None and v is not None
-    return KVPayload(k=k, v=v, k_scales=cat([q.k_scales for q in parts]), v_scales=cat([q.v_scales for q in parts]),
-                     kv_dtype=parts[0].kv_dtype, dtype=parts[0].dtype)  # fmt: skip
-
-
-def _map(p: KVPayload, f: Callable[[torch.Tensor], torch.Tensor]) -> KVPayload:
-    return KVPayload(
-        k=tuple(f(t) for t in p.k), v=tuple(f(t) for t in p.v),
-        k_scales=None if p.k_scales is None else tuple(f(t) for t in p.k_scales),
-        v_scales=None if p.v_scales is None else tuple(f(t) for t in p.v_scales),
-        kv_dtype=p.kv_dtype, dtype=p.dtype,
-    )  # fmt: skip
+def _tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    width = torch.tensor([], dtype=dtype).element_size()
+    with warnings.catch_warnings():
+        # Bytes are read-only; a block's tensors are only ever read (payloads_of stacks them into new memory).
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        flat = torch.frombuffer(buf, dtype=INT_OF_WIDTH[width])
+    return flat.view(dtype).view(shape)

@@ -16,7 +16,9 @@ with one warning per kind of fault, never as an exception to the engine or
 as wrong KV. Memory and disk stay within their bounds: a block is admitted
 only after older ones are evicted to make room for it.
 
-Thread safety: one worker thread calls ``fetch`` and ``save``; the engine's
+Thread safety: one thread calls ``fetch`` and another ``save`` (a load never
+waits behind a save); each tier's index is changed under its own lock, held
+for dict operations and, on disk, a file's read or write. The engine's
 thread calls ``stage``, ``known`` and ``may_hold``, which only read or set
 single dict entries (atomic operations under the GIL).
 """
@@ -27,6 +29,7 @@ import errno
 import json
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,12 +39,13 @@ from typing import Protocol
 
 from kvcache.errors import CacheConfigError
 from kvcache.kv_blocks import (
+    Block,
     BlockKey,
+    blocks_of,
     decode_block,
     encode_block,
-    join_blocks,
-    slice_pages,
-    split_pages,
+    page_block,
+    payloads_of,
 )
 from kvcache.kv_transfer import KVLayout, RankPayloads
 
@@ -139,11 +143,8 @@ class TierStats:
 class BlockStore(Protocol):
     """The cluster tier as a client sees it (``actors.remote.kv_store``). Any failure raises."""
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many of ``keys``, from the first on, some store holds."""
-
-    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
-        """The encoded blocks of ``keys``, None where a store no longer holds one."""
+    def fetch(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        """The encoded blocks of the longest run of ``keys``, from the first on, that one store holds."""
 
     def put(self, items: Sequence[tuple[BlockKey, bytes]]) -> None:
         """Hand encoded blocks to the store (it may drop them to stay within its bound)."""
@@ -155,29 +156,35 @@ class HostTier:
     def __init__(self, max_bytes: int, stats: TierStats) -> None:
         self.max_bytes = max_bytes
         self.stats = stats
-        self._blocks: OrderedDict[BlockKey, RankPayloads] = OrderedDict()
+        self._blocks: OrderedDict[BlockKey, Block] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
 
-    def get(self, key: BlockKey) -> RankPayloads | None:
-        block = self._blocks.get(key)
-        if block is not None:
-            self._blocks.move_to_end(key)
-        return block
+    def get(self, key: BlockKey) -> Block | None:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None:
+                self._blocks.move_to_end(key)
+            return block
 
-    def put(self, key: BlockKey, block: RankPayloads) -> list[tuple[BlockKey, RankPayloads]]:
+    def put(self, key: BlockKey, block: Block) -> list[tuple[BlockKey, Block]]:
         """Keep ``block``; returns the blocks evicted to make room (or ``block`` itself, if it cannot fit)."""
+        with self._lock:
+            return self._put(key, block)
+
+    def _put(self, key: BlockKey, block: Block) -> list[tuple[BlockKey, Block]]:
         if key in self._blocks:
             self._blocks.move_to_end(key)
             return []
-        size = _nbytes(block)
+        size = block.nbytes
         if size > self.max_bytes:
             return [(key, block)]
         evicted = []
         while self.stats.bytes + size > self.max_bytes:
             old_key, old = self._blocks.popitem(last=False)
-            self.stats.bytes -= _nbytes(old)
+            self.stats.bytes -= old.nbytes
             evicted.append((old_key, old))
         self._blocks[key] = block
         self.stats.bytes += size
@@ -202,6 +209,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.stats = stats
         self._files: OrderedDict[BlockKey, int] = OrderedDict()
+        self._lock = threading.Lock()
         path.mkdir(parents=True, exist_ok=True)
         found = []
         for f in path.glob(f"*{self.SUFFIX}"):
@@ -224,17 +232,22 @@ class DiskTier:
         return self.path / f"{key.hex()}{self.SUFFIX}"
 
     def get(self, key: BlockKey) -> bytes | None:
-        if key not in self._files:
-            return None
-        try:
-            data = self.file(key).read_bytes()
-        except OSError:
-            self._forget(key)
-            return None
-        self._files.move_to_end(key)
-        return data
+        with self._lock:
+            if key not in self._files:
+                return None
+            try:
+                data = self.file(key).read_bytes()
+            except OSError:
+                self._forget(key)
+                return None
+            self._files.move_to_end(key)
+            return data
 
     def put(self, key: BlockKey, data: bytes) -> bool:
+        with self._lock:
+            return self._put(key, data)
+
+    def _put(self, key: BlockKey, data: bytes) -> bool:
         if key in self._files:
             self._files.move_to_end(key)
             return True
@@ -265,8 +278,9 @@ class DiskTier:
 
     def remove(self, key: BlockKey) -> None:
         """Drop a block (found corrupt or foreign)."""
-        self.file(key).unlink(missing_ok=True)
-        self._forget(key)
+        with self._lock:
+            self.file(key).unlink(missing_ok=True)
+            self._forget(key)
 
     def _forget(self, key: BlockKey) -> None:
         size = self._files.pop(key, None)
@@ -312,7 +326,7 @@ class TieredKV:
 
     def fetch(self, keys: Sequence[BlockKey]) -> RankPayloads | None:
         """The blocks of ``keys`` from the first up to the first no tier holds, joined; None if the first is missing."""
-        blocks: list[RankPayloads] = []
+        blocks: list[Block] = []
         for key in keys:
             block = self._local(key)
             if block is None:
@@ -322,7 +336,7 @@ class TieredKV:
             blocks += self._cluster(keys[len(blocks) :])
         for key in keys[: len(blocks)]:
             self._see(key)
-        return join_blocks(blocks) if blocks else None
+        return payloads_of(blocks) if blocks else None
 
     def save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
         """Keep the pages of ``payloads`` (one per key, in order) in every tier that is on."""
@@ -342,9 +356,9 @@ class TieredKV:
                 or (self.disk is not None and key in self.disk) or (self.store is not None and key in self.seen))
 
     def _save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
-        blocks = split_pages(payloads)
+        blocks = blocks_of(payloads)
         assert len(blocks) == len(keys), (len(blocks), len(keys))
-        spill: list[tuple[BlockKey, RankPayloads]] = list(zip(keys, blocks, strict=True))
+        spill: list[tuple[BlockKey, Block]] = list(zip(keys, blocks, strict=True))
         if self.host is not None:
             spill = [old for key, block in spill for old in self.host.put(key, block)]
         if self.disk is not None:
@@ -362,20 +376,20 @@ class TieredKV:
                 stats.bytes_written += sum(len(d) for _, d in items)
                 stats.blocks += len(items)
 
-    def _local(self, key: BlockKey) -> RankPayloads | None:
+    def _local(self, key: BlockKey) -> Block | None:
         staged = self.staged.get(key)
         if staged is not None:
             stats = self.stats["host"]
             stats.lookups += 1
             stats.hits += 1
-            return slice_pages(staged[0], staged[1], staged[1] + 1)
+            return page_block(*staged)
         if self.host is not None:
             stats = self.stats["host"]
             stats.lookups += 1
             block = self.host.get(key)
             if block is not None:
                 stats.hits += 1
-                stats.bytes_read += _nbytes(block)
+                stats.bytes_read += block.nbytes
                 return block
         if self.disk is None or key not in self.disk:
             if self.disk is not None:
@@ -400,29 +414,27 @@ class TieredKV:
         # blocks later in this chain. The load puts it into the pool; the pool's radix tree is its cache.
         return block
 
-    def _cluster(self, keys: Sequence[BlockKey]) -> list[RankPayloads]:
+    def _cluster(self, keys: Sequence[BlockKey]) -> list[Block]:
         assert self.store is not None
         stats = self.stats["cluster"]
         stats.lookups += len(keys)
         start = time.perf_counter()
-        blocks: list[RankPayloads] = []
+        blocks: list[Block] = []
         try:
-            found = self.store.lookup(keys)
-            datas = self.store.get(keys[:found]) if found else []
+            datas = self.store.fetch(keys)
         except Exception as e:  # noqa: BLE001 - a dead or unreachable store is a miss
             self._store_failed("read", e)
             return []
         finally:
             stats.load_seconds += time.perf_counter() - start
         for key, data in zip(keys, datas, strict=False):
-            block = None if data is None else decode_block(data, key, self.layout, self.world_size)
+            block = decode_block(data, key, self.layout, self.world_size)
             if block is None:
-                if data is not None:
-                    stats.errors += 1
-                    _warn_once("cluster-corrupt", "KV cluster tier: block %s is corrupt or from another model "
-                                                  "or layout; it is recomputed", key.hex())
+                stats.errors += 1
+                _warn_once("cluster-corrupt", "KV cluster tier: block %s is corrupt or from another model "
+                                              "or layout; it is recomputed", key.hex())
                 break
-            stats.bytes_read += len(data or b"")
+            stats.bytes_read += len(data)
             blocks.append(block)
         stats.hits += len(blocks)
         return blocks
@@ -450,7 +462,3 @@ def _warn_once(kind: str, message: str, *args: object) -> None:
     if kind not in _WARNED:
         _WARNED.add(kind)
         logger.warning(message, *args)
-
-
-def _nbytes(block: RankPayloads) -> int:
-    return sum(p.nbytes for p in block)

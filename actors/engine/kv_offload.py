@@ -1,6 +1,7 @@
 """The engine's link to its KV tiers (``kvcache.kv_tiers``): lookups at intake, saves after steps.
 
-Both run on one worker thread, loads first: a step never waits for either.
+Each runs on a worker thread of its own, so a load never waits behind a
+save, and a step never waits for either.
 A new request whose prefix goes past what the radix tree holds asks the
 tiers for the rest of its full prompt pages (``start_load``); it waits in
 the queue (``Request.kv_loading``) until they answer or ``load_wait_s`` has
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import queue
 import shutil
 import threading
@@ -42,7 +42,6 @@ logger = get_logger(__name__.rsplit(".", 1)[-1])
 
 # Save jobs queued on the worker beyond which a step's saved pages are dropped (the tiers lag behind).
 MAX_PENDING_SAVES = 64
-_LOAD, _SAVE = 0, 1  # worker priorities: a load is waited for, a save is not
 
 
 @dataclass(slots=True)
@@ -54,30 +53,33 @@ class _Load:
 
 
 class _Worker:
-    """One daemon thread running jobs by priority, then in submission order."""
+    """One daemon thread running jobs in submission order."""
 
-    def __init__(self) -> None:
-        self._queue: queue.PriorityQueue[tuple[int, int, Future[Any] | None, Callable[[], Any] | None]] = (
-            queue.PriorityQueue())
-        self._order = itertools.count()
-        self.pending_saves = 0
-        self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, priority: int, job: Callable[[], Any]) -> Future[Any]:
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
         future: Future[Any] = Future()
-        self._queue.put((priority, next(self._order), future, job))
+        self._queue.put((future, job))
         return future
 
+    @property
+    def backlog(self) -> int:
+        """Jobs waiting to start."""
+        return self._queue.qsize()
+
     def stop(self, timeout_s: float) -> None:
-        self._queue.put((-1, -1, None, None))
+        self._queue.put(None)
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
-            _, _, future, job = self._queue.get()
-            if future is None or job is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            future, job = item
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(job())
@@ -108,7 +110,8 @@ class KVOffload:
         scheduler.kv.saver = self
         self._salts: dict[str | None, bytes] = {}
         self._loads: dict[str, _Load] = {}
-        self._worker = _Worker()
+        self._loader = _Worker("kv-tier-loads")
+        self._saver = _Worker("kv-tier-saves")
         self.wake: Callable[[], None] = _nothing
         self.load_timeouts = 0  # loads that outlasted load_wait_s (the request computed its prefix)
         self.dropped_saves = 0  # pages not saved because the tiers lagged behind
@@ -122,24 +125,15 @@ class KVOffload:
 
     def store(self, keys: list[BlockKey], payloads: RankPayloads) -> None:
         """Hand a step's copied-out pages to the tiers (on the worker)."""
-        worker = self._worker
-        if worker.pending_saves >= MAX_PENDING_SAVES:
+        if self._saver.backlog >= MAX_PENDING_SAVES:
             self.dropped_saves += len(keys)
             return
-        worker.pending_saves += 1
         self.tiers.stage(keys, payloads)
-
-        def save() -> None:
-            try:
-                self.tiers.save(keys, payloads)
-            finally:
-                worker.pending_saves -= 1
-
-        worker.submit(_SAVE, save).add_done_callback(_log_failure)
+        self._saver.submit(lambda: self.tiers.save(keys, payloads)).add_done_callback(_log_failure)
 
     def wait_for_saves(self, timeout_s: float = 60.0) -> None:
         """Block until every save handed over so far is filed (tests; a bench between phases)."""
-        self._worker.submit(_SAVE, _nothing).result(timeout_s)
+        self._saver.submit(_nothing).result(timeout_s)
 
     def keys_for(self, namespace: str | None, token_ids: list[int]) -> list[BlockKey]:
         """The block keys of ``token_ids``' full pages in ``namespace``."""
@@ -157,7 +151,7 @@ class KVOffload:
         keys = block_keys(self._salt(req.cache_namespace), req.all_token_ids, num_blocks, ps)[matched:]
         if not self.tiers.may_hold(keys[0]):
             return
-        future = self._worker.submit(_LOAD, lambda: self.tiers.fetch(keys))
+        future = self._loader.submit(lambda: self.tiers.fetch(keys))
         future.add_done_callback(lambda _: self.wake())
         req.kv_loading = True
         self._loads[req.request_id] = _Load(req, matched, future, time.monotonic() + self.load_wait_s)
@@ -207,7 +201,8 @@ class KVOffload:
         return tuple(out)
 
     def shutdown(self) -> None:
-        self._worker.stop(5.0)
+        self._loader.stop(5.0)
+        self._saver.stop(5.0)
         if self._own_disk is not None:
             shutil.rmtree(self._own_disk, ignore_errors=True)
 

@@ -15,10 +15,11 @@ from kvcache.kv_blocks import (
     KEY_BYTES,
     block_keys,
     block_salt,
+    blocks_of,
     decode_block,
     encode_block,
-    join_blocks,
-    split_pages,
+    page_block,
+    payloads_of,
 )
 from kvcache.kv_pool import KVPool
 from kvcache.kv_tiers import BlockStore, DiskTier, KVOffloadConfig, TieredKV, TierStats
@@ -74,9 +75,9 @@ def test_blocks_round_trip_and_refuse_anything_else(kv_dtype: str) -> None:
     layout = KVLayout.of(pool)
     block = _pages(pool, [3])
     key, other_key = b"k" * KEY_BYTES, b"o" * KEY_BYTES
-    data = encode_block(key, layout, block)
+    data = encode_block(key, layout, blocks_of(block)[0])
     back = decode_block(data, key, layout, 1)
-    assert back is not None and _equal(back, block)
+    assert back is not None and _equal(payloads_of([back]), block)
     assert decode_block(data, other_key, layout, 1) is None  # someone else's block under this name
     assert decode_block(data, key, layout, 2) is None  # another tensor-parallel size
     for pos in (len(data) // 2, len(data) - 1, 3, 40):
@@ -87,17 +88,18 @@ def test_blocks_round_trip_and_refuse_anything_else(kv_dtype: str) -> None:
     assert decode_block(b"", key, layout, 1) is None
     # A whole, well-formed block of another model dtype, filed under this key: refused by its layout.
     bf16 = _pool(torch.bfloat16)
-    foreign = encode_block(key, KVLayout.of(bf16), _pages(bf16, [3]))
+    foreign = encode_block(key, KVLayout.of(bf16), blocks_of(_pages(bf16, [3]))[0])
     assert decode_block(foreign, key, layout, 1) is None
 
 
 def test_split_and_join_are_inverse() -> None:
     pool = _pool()
     payload = _pages(pool, [5, 1, 9])
-    blocks = split_pages(payload)
-    assert [b[0].num_pages for b in blocks] == [1, 1, 1]
-    assert _equal(join_blocks(blocks), payload)
-    assert _equal(blocks[1], _pages(pool, [1]))
+    blocks = blocks_of(payload)
+    assert len(blocks) == 3 and all(b.kv[0].shape == (4, 4, 2, 8) for b in blocks)  # 2 layers' k and v
+    assert _equal(payloads_of(blocks), payload)
+    assert _equal(payloads_of([blocks[1]]), _pages(pool, [1]))
+    assert _equal(payloads_of([page_block(payload, 2)]), _pages(pool, [9]))
 
 
 def test_config_is_checked_by_name() -> None:
@@ -137,7 +139,7 @@ def test_host_tier_keeps_the_newest_blocks_within_its_bytes(tmp_path: Path) -> N
 def test_disk_tier_spills_from_host_and_stays_within_bytes(tmp_path: Path) -> None:
     pool = _pool()
     block_bytes = pool.read_pages([0]).nbytes
-    file_bytes = len(encode_block(b"k" * KEY_BYTES, KVLayout.of(pool), _pages(pool, [0])))
+    file_bytes = len(encode_block(b"k" * KEY_BYTES, KVLayout.of(pool), blocks_of(_pages(pool, [0]))[0]))
     tiers = _tiers(tmp_path, host=2 * block_bytes, disk=4 * file_bytes + file_bytes // 2)
     keys = _keys(8)
     tiers.save(keys, _pages(pool, list(range(8))))
@@ -190,10 +192,7 @@ def test_a_full_disk_drops_blocks_without_raising(tmp_path: Path, monkeypatch: p
 
 
 class _DeadStore:
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        raise ConnectionError("store gone")
-
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes]:
         raise ConnectionError("store gone")
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:

@@ -9,7 +9,9 @@ so it enters cold, mid-run, as a replica autoscaling adds (its start-up is
 not timed).
 
 Phase 1, the chat: ``conversations`` seeded conversations (``conversations``)
-run at once, each sending ``turns`` greedy turns one after the other; every
+run at once, each sending ``turns`` greedy turns one after the other, the
+next ``think_s`` after the answer (the user reads it; a turn's pages reach
+the cluster store within milliseconds of its end, not within zero); every
 request goes to the next replica in the rotation (round robin, which is what
 a router without prefix affinity does, and what a replica added mid-run
 gets). Measured from the client: time to first token of turns >= 2 (P50,
@@ -66,6 +68,7 @@ class Settings:
     turns: int = 4
     passages: int = 3
     max_tokens: int = 32
+    think_s: float = 0.5
     no_reuse_requests: int = 16
     no_reuse_prompt_len: int = 256
     no_reuse_max_tokens: int = 32
@@ -163,6 +166,8 @@ async def _chat(replicas: list[Replica], settings: Settings, tokenizer: ChatToke
         for turn in range(1, settings.turns + 1):
             if turn == 2:
                 await first_turns.wait()  # every turn >= 2 is routed with the late replica in the rotation
+            if turn >= 2:
+                await asyncio.sleep(settings.think_s)  # the user reads the answer (a workload's pacing, not a sync)
             prompt = conv.next_prompt(tokenizer)
             replica = rotation[next(counter) % len(rotation)]
             out = await replica.request(f"{tag}-c{conv.index}-t{turn}", prompt, params)

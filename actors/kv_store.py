@@ -21,11 +21,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvcache.kv_blocks import BlockKey
+from kvcache.kv_blocks import BlockBytes, BlockKey
 
 NAMESPACE = "flotilla"
 NAME_PREFIX = "flotilla-kv-store-"
@@ -40,7 +41,8 @@ class KVStoreActor:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+        # Encoded blocks (uint8 arrays: Ray hands them out without pickling their bytes).
+        self._blocks: OrderedDict[BlockKey, np.ndarray] = OrderedDict()
         self._bytes = 0
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -52,9 +54,9 @@ class KVStoreActor:
             n += 1
         return n
 
-    def fetch(self, keys: Sequence[BlockKey]) -> list[bytes]:
+    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
         """The blocks of the longest run of ``keys``, from the first on, that this store holds."""
-        out: list[bytes] = []
+        out: list[np.ndarray] = []
         for key in keys:
             data = self._blocks.get(key)
             if data is None:
@@ -63,18 +65,20 @@ class KVStoreActor:
             out.append(data)
         return out
 
-    def put(self, items: Sequence[tuple[BlockKey, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
         for key, data in items:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
-            if len(data) > self.max_bytes:
+            if data.nbytes > self.max_bytes:
                 continue
-            while self._bytes + len(data) > self.max_bytes:
+            while self._bytes + data.nbytes > self.max_bytes:
                 _, old = self._blocks.popitem(last=False)
-                self._bytes -= len(old)
-            self._blocks[key] = data
-            self._bytes += len(data)
+                self._bytes -= old.nbytes
+            # A copy of its own: the argument is a read-only view of the object store's copy, which
+            # Ray may free once this call returns.
+            self._blocks[key] = np.array(data, copy=True)
+            self._bytes += data.nbytes
 
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self._blocks), "bytes": self._bytes, "max_bytes": self.max_bytes}
@@ -107,7 +111,7 @@ class RayBlockStore:
         # Started (or found) now, while the engine starts: a store's start-up is not a request's wait.
         ray.get(self._local_store().stats.remote(), timeout=STARTUP_TIMEOUT_S)
 
-    def fetch(self, keys: Sequence[BlockKey]) -> list[bytes]:
+    def fetch(self, keys: Sequence[BlockKey]) -> list[BlockBytes]:
         """From the one store on this cluster in one call; with several, the one holding the longest run."""
         stores = list(self._all().values())
         keys = list(keys)
@@ -123,7 +127,7 @@ class RayBlockStore:
             self._forget()
             raise
 
-    def put(self, items: Sequence[tuple[BlockKey, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
         try:
             ray.get(self._local_store().put.remote(list(items)), timeout=max(self.timeout_s, 5.0))
         except Exception:

@@ -36,6 +36,7 @@ from kvcache.kv_quant import SCALE_DTYPE
 from kvcache.kv_transfer import INT_OF_WIDTH, KVLayout, KVPayload, RankPayloads
 
 BlockKey = bytes  # KEY_BYTES of a blake2b digest
+BlockBytes = bytes | memoryview | np.ndarray  # an encoded block: read from a file, or a uint8 array
 
 KEY_BYTES = 16
 _MAGIC = b"FLKVB002"
@@ -137,8 +138,13 @@ def slice_pages(payloads: RankPayloads, start: int, stop: int) -> RankPayloads:
     )  # fmt: skip
 
 
-def encode_block(key: BlockKey, layout: KVLayout, block: Block) -> bytes:
-    """A block as bytes: header (key, layout), CRC32 of the body, the body (each rank's tensors, raw)."""
+def encode_block(key: BlockKey, layout: KVLayout, block: Block) -> np.ndarray:
+    """A block as bytes (a uint8 array): header (key, layout), CRC32 of the body, the body (each rank's
+    tensors, raw).
+
+    A numpy array rather than ``bytes``: its one copy of the tensors runs without the GIL (so does the
+    CRC), which the engine's step thread needs meanwhile, and Ray moves it without pickling its bytes.
+    """
     assert len(key) == KEY_BYTES
     meta = json.dumps(asdict(layout), sort_keys=True).encode()
     parts = [_raw(t) for r in range(len(block.kv)) for t in (block.kv[r], *(() if block.scales is None else
@@ -146,11 +152,19 @@ def encode_block(key: BlockKey, layout: KVLayout, block: Block) -> bytes:
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
-    return b"".join([_HEADER.pack(_MAGIC, key, len(meta), crc), meta, *parts])  # the one copy of the tensors
+    head = _HEADER.pack(_MAGIC, key, len(meta), crc) + meta
+    out = np.empty(len(head) + sum(len(p) for p in parts), dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    pos = len(head)
+    for part in parts:
+        out[pos : pos + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        pos += len(part)
+    return out
 
 
-def decode_block(data: bytes, key: BlockKey, layout: KVLayout, world_size: int) -> Block | None:
+def decode_block(data: BlockBytes, key: BlockKey, layout: KVLayout, world_size: int) -> Block | None:
     """The block in ``data`` if it is whole and is ``key``'s block for ``layout``; else None (a miss)."""
+    data = memoryview(data.data if isinstance(data, np.ndarray) else data).cast("B")
     if len(data) < _HEADER.size:
         return None
     magic, stored_key, meta_len, crc = _HEADER.unpack_from(data)

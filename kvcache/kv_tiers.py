@@ -37,9 +37,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from kvcache.errors import CacheConfigError
 from kvcache.kv_blocks import (
     Block,
+    BlockBytes,
     BlockKey,
     blocks_of,
     decode_block,
@@ -68,8 +71,10 @@ class KVOffloadConfig:
     path). ``cluster``: write blocks through to the node's KV store actor and
     read other replicas' blocks from every node's store (needs Ray), each
     store holding at most ``cluster_bytes``. ``load_wait_s``: the longest a
-    waiting request is held back for its blocks to arrive; past it, it
-    computes its prefix instead (a step never waits for a load).
+    waiting request is held back for its blocks to arrive (requests behind
+    it are admitted meanwhile); past it, it computes its prefix instead (a
+    step never waits for a load). Two seconds by default: on a busy CPU a
+    long prompt's prefill takes longer than its load; lower it on GPUs.
     """
 
     host_bytes: int = 0
@@ -77,7 +82,7 @@ class KVOffloadConfig:
     disk_path: str | None = None
     cluster: bool = False
     cluster_bytes: int = GiB
-    load_wait_s: float = 0.5
+    load_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes", "cluster_bytes"):
@@ -141,12 +146,12 @@ class TierStats:
 
 
 class BlockStore(Protocol):
-    """The cluster tier as a client sees it (``actors.remote.kv_store``). Any failure raises."""
+    """The cluster tier as a client sees it (``actors.kv_store``). Any failure raises."""
 
-    def fetch(self, keys: Sequence[BlockKey]) -> list[bytes]:
+    def fetch(self, keys: Sequence[BlockKey]) -> list[BlockBytes]:
         """The encoded blocks of the longest run of ``keys``, from the first on, that one store holds."""
 
-    def put(self, items: Sequence[tuple[BlockKey, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
         """Hand encoded blocks to the store (it may drop them to stay within its bound)."""
 
 
@@ -243,11 +248,11 @@ class DiskTier:
             self._files.move_to_end(key)
             return data
 
-    def put(self, key: BlockKey, data: bytes) -> bool:
+    def put(self, key: BlockKey, data: np.ndarray) -> bool:
         with self._lock:
             return self._put(key, data)
 
-    def _put(self, key: BlockKey, data: bytes) -> bool:
+    def _put(self, key: BlockKey, data: np.ndarray) -> bool:
         if key in self._files:
             self._files.move_to_end(key)
             return True
@@ -271,10 +276,10 @@ class DiskTier:
         return True
 
     @staticmethod
-    def write(path: Path, data: bytes) -> None:
+    def write(path: Path, data: np.ndarray) -> None:
         """Write one file (the one place a full or unwritable disk shows up)."""
         with open(path, "wb") as f:
-            f.write(data)
+            f.write(memoryview(data.data))
 
     def remove(self, key: BlockKey) -> None:
         """Drop a block (found corrupt or foreign)."""

@@ -10,8 +10,10 @@ waiting requests in order, reusing cached prefixes found at admission. A long
 prompt is split across steps (chunked prefill) and mixed with decodes in the
 same step.
 
-A waiting request that does not fit blocks the ones behind it (FCFS). One
-exception: a request whose LoRA adapter cannot get a slot (every slot pinned
+A waiting request that does not fit blocks the ones behind it (FCFS). Two
+exceptions: a request whose prefix the KV tiers are loading is passed over
+until its load ends (``scheduling.kv_tiers``; bounded by the engine's
+``load_wait_s``), and a request whose LoRA adapter cannot get a slot (every slot pinned
 by running requests of other adapters) is passed over by later requests whose
 adapters hold slots, in at most ``LORA_MAX_OVERTAKES`` steps; after that it
 blocks the queue, so the running adapters drain and free a slot for it. Its
@@ -249,8 +251,9 @@ class Scheduler:
                 budget -= 1
                 admitted_past = bool(overtaken)
                 continue
-            if req.kv_loading:  # the KV tiers are fetching its prefix (bounded by the engine's load_wait_s)
-                break
+            if req.kv_loading:  # the KV tiers are fetching its prefix (for the engine's load_wait_s at most):
+                i += 1  # it keeps its place, and those behind it go on meanwhile
+                continue
             if req.params.lora is not None:
                 # Its adapter in a slot first (before the tree walk: a request passed over costs none):
                 # with every slot pinned by other adapters it waits, passed over by requests of resident

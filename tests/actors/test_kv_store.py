@@ -21,7 +21,7 @@ from tests.actors.test_kv_offload import (
     _tier,
 )
 
-CLUSTER = {"cluster": True, "load_wait_s": 30.0}  # a first call to a store may wait on its start-up
+CLUSTER = {"cluster": True, "load_wait_s": 30.0}  # a busy CI box: a load never times out into a recompute here
 
 
 def _store_stats() -> dict[str, int]:
@@ -69,3 +69,17 @@ def test_engines_share_blocks_through_the_cluster_store(ray_cluster: None, tmp_p
     assert tokens == reference and sum(cached) > 0
     _assert_all_free(third.engine)
     third.shutdown()
+
+
+def test_two_shards_save_and_load_their_own_heads(ray_cluster: None, tmp_path: Path) -> None:
+    """With tensor_parallel_size 2 each rank copies out and loads back its own share of the KV heads (blocks
+    hold both ranks' halves): evicted pages come back from host memory with the same greedy tokens."""
+    model = str(write_llama_with_tokenizer(tmp_path / "model"))
+    reference = _generate(LLM(model=model, **ENGINE), PROMPTS)
+    llm = LLM(model=model, tensor_parallel_size=2, executor="ray", kv_offload={"host_bytes": 1 << 26}, **ENGINE)
+    assert _generate(llm, PROMPTS) == reference
+    _evict_all(llm.engine)
+    tokens, cached = _cached(llm, PROMPTS)
+    assert tokens == reference and cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
+    _assert_all_free(llm.engine)
+    llm.shutdown()

@@ -111,3 +111,15 @@ def test_lora_flags_reach_the_app(tmp_path: Path) -> None:
         build_app({**_args("--model", "tiny", "--enable-lora"),
                    "pd": {"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}})
     assert err.value.param == "pd"
+
+
+def test_kv_offload_reaches_the_engine_and_bad_json_is_refused_before_ray_starts() -> None:
+    offload = '{"host_bytes": 1000000, "cluster": true}'
+    args = _args("--model", "tiny", "--kv-offload", offload)
+    assert args["kv_offload"] == offload
+    build_app(args)
+    assert "kv_offload" not in _args("--model", "tiny")
+    for bad in ('{"host_bytes": -1}', "{nope", '{"disk_path": "/tmp/x"}'):
+        with pytest.raises(InvalidParameterError) as err:
+            build_app(_args("--model", "tiny", "--kv-offload", bad))
+        assert err.value.param == "kv_offload"

@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvcache.errors import CacheConfigError
 from kvcache.kv_blocks import (
     KEY_BYTES,
+    BlockBytes,
     block_keys,
     block_salt,
     blocks_of,
@@ -192,10 +194,10 @@ def test_a_full_disk_drops_blocks_without_raising(tmp_path: Path, monkeypatch: p
 
 
 class _DeadStore:
-    def fetch(self, keys: Sequence[bytes]) -> list[bytes]:
+    def fetch(self, keys: Sequence[bytes]) -> list[BlockBytes]:
         raise ConnectionError("store gone")
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> None:
         raise ConnectionError("store gone")
 
 
@@ -209,3 +211,38 @@ def test_a_dead_cluster_store_is_a_miss(tmp_path: Path) -> None:
 
 def test_stats_are_plain_numbers() -> None:
     assert set(TierStats().to_dict()) >= {"lookups", "hits", "bytes_read", "bytes_written", "load_seconds", "errors"}
+
+
+class _MemStore:
+    """A ``BlockStore`` in this process: the cluster tier's protocol without Ray."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, np.ndarray] = {}
+
+    def fetch(self, keys: Sequence[bytes]) -> list[BlockBytes]:
+        out = []
+        for key in keys:
+            if key not in self.blocks:
+                break
+            out.append(self.blocks[key])
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> None:
+        self.blocks.update(items)
+
+
+def test_the_cluster_tier_serves_another_engine_and_refuses_a_corrupt_block(tmp_path: Path) -> None:
+    store = _MemStore()
+    pool = _pool()
+    keys = _keys(3)
+    _tiers(tmp_path, store=store).save(keys, _pages(pool, [4, 5, 6]))
+    other = _tiers(tmp_path, store=store)  # another replica: nothing local
+    got = other.fetch(keys)
+    assert got is not None and _equal(got, _pages(pool, [4, 5, 6]))
+    assert other.stats["cluster"].hits == 3 and other.stats["cluster"].errors == 0
+    data = store.blocks[keys[2]].copy()
+    data[-1] ^= 1
+    store.blocks[keys[2]] = data
+    third = _tiers(tmp_path, store=store)
+    got = third.fetch(keys)
+    assert got is not None and got[0].num_pages == 2 and third.stats["cluster"].errors == 1

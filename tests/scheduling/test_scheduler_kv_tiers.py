@@ -117,15 +117,18 @@ def test_pages_of_a_load_never_reach_the_tree_unwritten() -> None:
     assert_pool_clean(run)
 
 
-def test_a_request_waits_for_its_load_and_holds_the_queue() -> None:
+def test_a_request_waits_for_its_load_and_those_behind_it_go_on() -> None:
     run = make(CONFIG, 32)
     s = run.scheduler
     first, second = _req("a", 10), _req("b", 10, first=7)
     first.kv_loading = True
     s.add(first)
     s.add(second)
-    assert s.schedule() is None  # FCFS: the one behind waits too
-    first.kv_loading = False
+    batch = step(run)
+    assert batch is not None and s.running == [second] and list(s.waiting) == [first]
+    first.kv_loading = False  # its load ended: it is admitted at the next plan
+    step(run)
+    assert first in s.running
     drain(run)
     assert set(run.finished) == {"a", "b"}
     assert_pool_clean(run)

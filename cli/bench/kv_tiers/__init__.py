@@ -34,7 +34,7 @@ class KVTiersBench:
             "--turns", type=int, default=4, help="turns of each conversation (>= 2)"
         )
         parser.add_argument(
-            "--passages", type=int, default=3, help="shipped passages the first turn asks about"
+            "--passages", type=int, default=6, help="shipped passages the first turn asks about"
         )
         parser.add_argument(
             "--max-tokens", type=int, default=32, help="greedy answer tokens per turn at most"
@@ -46,12 +46,12 @@ class KVTiersBench:
         parser.add_argument("--no-reuse-prompt-len", type=int, default=256)
         parser.add_argument("--no-reuse-max-tokens", type=int, default=32)
         parser.add_argument(
-            "--runs", type=int, default=3, help="alternating no-reuse runs of each set (median)"
+            "--runs", type=int, default=5, help="alternating no-reuse runs of each set (median of pair ratios)"
         )
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
             "--kv-offload",
-            default='{"host_bytes": 1073741824, "cluster": true}',
+            default='{"host_bytes": 2147483648, "cluster": true, "cluster_bytes": 4294967296}',
             metavar="JSON",
             help="the tiers of the tiers_on set (EngineConfig.kv_offload)",
         )

@@ -1,7 +1,7 @@
 """The cluster KV tier on Ray: one store actor per node, and the client every engine reads them with.
 
 ``KVStoreActor`` keeps encoded blocks (``kvcache.kv_blocks``) in its own
-memory, LRU within its bound, and answers which of a chain of keys it holds.
+memory, LRU within its bound, and a log of the keys it added and dropped.
 There is one per node, named ``flotilla-kv-store-<node id>`` in the
 ``flotilla`` namespace and detached (it outlives the replica that started it,
 so a replica that autoscaling adds later finds it warm; it ends with the
@@ -9,15 +9,26 @@ cluster). The engine of each replica writes its blocks to its own node's
 store and reads from every node's (``RayBlockStore``, the ``BlockStore`` of
 ``kvcache.kv_tiers``).
 
+The index: each client mirrors which keys every store holds, following the
+stores' logs from a thread of its own every ``INDEX_REFRESH_S``. A lookup is
+then a set membership in the engine's process: a block no store holds costs
+a request no round trip, and a hit costs one call, to the store whose run of
+the request's keys is longest. The mirror may lag by a refresh (a block
+stored in the last ~0.1 s is a miss: computed again), or name a block the
+store has since evicted (the store answers the run it still holds).
+
 Faults: a call that fails or times out raises, and ``TieredKV`` turns it
 into a miss (or a dropped write) and a warning metric. After a failure the
 client looks the stores up again on its next call; the local store, if it
-died, is started anew (empty).
+died, is started anew (empty), and a store that restarted is mirrored anew
+(each incarnation has its own id).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -26,33 +37,34 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.log import get_logger
 from kvcache.kv_blocks import BlockBytes, BlockKey
+
+logger = get_logger(__name__.rsplit(".", 1)[-1])
 
 NAMESPACE = "flotilla"
 NAME_PREFIX = "flotilla-kv-store-"
-# How often a client looks for stores on nodes it has not seen yet (seconds).
-REFRESH_S = 10.0
+REFRESH_S = 10.0  # how often a client looks for stores on nodes it has not seen yet
+INDEX_REFRESH_S = 0.1  # how often a client follows the stores' logs
 STARTUP_TIMEOUT_S = 120.0  # a new store actor's process start on a busy node
+
+# (incarnation, version after these events, the whole key set when the caller must start over else None,
+# the (added?, key) events since the caller's version)
+IndexUpdate = tuple[str, int, list[BlockKey] | None, list[tuple[bool, BlockKey]]]
 
 
 @ray.remote(num_cpus=0)
 class KVStoreActor:
-    """Encoded KV blocks of every replica on one node, LRU within ``max_bytes``."""
+    """Encoded KV blocks of every replica on one node, LRU within ``max_bytes``, and the log of its keys."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         # Encoded blocks (uint8 arrays: Ray hands them out without pickling their bytes).
         self._blocks: OrderedDict[BlockKey, np.ndarray] = OrderedDict()
         self._bytes = 0
-
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many of ``keys``, from the first on, this store holds."""
-        n = 0
-        for key in keys:
-            if key not in self._blocks:
-                break
-            n += 1
-        return n
+        self._incarnation = uuid.uuid4().hex
+        self._log: list[tuple[bool, BlockKey]] = []  # events from version _log_start on
+        self._log_start = 0
 
     def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
         """The blocks of the longest run of ``keys``, from the first on, that this store holds."""
@@ -73,12 +85,24 @@ class KVStoreActor:
             if data.nbytes > self.max_bytes:
                 continue
             while self._bytes + data.nbytes > self.max_bytes:
-                _, old = self._blocks.popitem(last=False)
+                old_key, old = self._blocks.popitem(last=False)
                 self._bytes -= old.nbytes
+                self._log.append((False, old_key))
             # A copy of its own: the argument is a read-only view of the object store's copy, which
             # Ray may free once this call returns.
             self._blocks[key] = np.array(data, copy=True)
             self._bytes += data.nbytes
+            self._log.append((True, key))
+        if len(self._log) > 2 * len(self._blocks) + 1024:  # compact: late readers get the whole set
+            self._log_start += len(self._log)
+            self._log = []
+
+    def index_since(self, incarnation: str, version: int) -> IndexUpdate:
+        """What changed since ``version`` of ``incarnation``; the whole key set if that cannot be told."""
+        end = self._log_start + len(self._log)
+        if incarnation != self._incarnation or not self._log_start <= version <= end:
+            return self._incarnation, end, list(self._blocks), []
+        return self._incarnation, end, None, self._log[version - self._log_start :]
 
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self._blocks), "bytes": self._bytes, "max_bytes": self.max_bytes}
@@ -97,8 +121,29 @@ def local_store(max_bytes: int) -> ActorHandle:
     ).remote(max_bytes)  # fmt: skip
 
 
+class _Mirror:
+    """One store's key set as this client last read it."""
+
+    def __init__(self) -> None:
+        self.incarnation = ""
+        self.version = 0
+        self.keys: set[BlockKey] = set()
+
+    def apply(self, update: IndexUpdate) -> None:
+        incarnation, version, snapshot, events = update
+        if snapshot is not None:
+            self.keys = set(snapshot)
+        for added, key in events:
+            if added:
+                self.keys.add(key)
+            else:
+                self.keys.discard(key)
+        self.incarnation, self.version = incarnation, version
+
+
 class RayBlockStore:
-    """``BlockStore`` over every node's ``KVStoreActor``: writes go to this node's, reads ask them all."""
+    """``BlockStore`` over every node's ``KVStoreActor``: writes go to this node's, reads to the one holding
+    the longest run, found in this client's mirror of their indexes."""
 
     def __init__(self, max_bytes: int, timeout_s: float) -> None:
         if not ray.is_initialized():
@@ -107,49 +152,101 @@ class RayBlockStore:
         self.timeout_s = timeout_s
         self._local: ActorHandle | None = None
         self._stores: dict[str, ActorHandle] = {}
+        self._mirrors: dict[str, _Mirror] = {}
         self._refreshed = 0.0
+        self._lock = threading.Lock()  # the load, save and index threads all use the handles
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
         # Started (or found) now, while the engine starts: a store's start-up is not a request's wait.
         ray.get(self._local_store().stats.remote(), timeout=STARTUP_TIMEOUT_S)
+        self.refresh_index()
+        self._thread = threading.Thread(target=self._follow, name="kv-store-index", daemon=True)
+        self._thread.start()
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether some store held ``key`` at the last refresh (or this client put it since)."""
+        return any(key in m.keys for m in list(self._mirrors.values()))
 
     def fetch(self, keys: Sequence[BlockKey]) -> list[BlockBytes]:
-        """From the one store on this cluster in one call; with several, the one holding the longest run."""
-        stores = list(self._all().values())
-        keys = list(keys)
+        """From the store whose mirrored run of ``keys`` is longest; no call when none holds the first."""
+        best, run = None, 0
+        for name, mirror in list(self._mirrors.items()):
+            n = 0
+            for key in keys:
+                if key not in mirror.keys:
+                    break
+                n += 1
+            if n > run:
+                best, run = name, n
+        store = self._all().get(best) if best is not None else None
+        if store is None:
+            return []
         try:
-            if len(stores) == 1:
-                return list(ray.get(stores[0].fetch.remote(keys), timeout=self.timeout_s))
-            counts: list[int] = ray.get([s.lookup.remote(keys) for s in stores], timeout=self.timeout_s)
-            best = max(range(len(counts)), key=counts.__getitem__)
-            if not counts[best]:
-                return []
-            return list(ray.get(stores[best].fetch.remote(keys[: counts[best]]), timeout=self.timeout_s))
+            return list(ray.get(store.fetch.remote(list(keys[:run])), timeout=self.timeout_s))
         except Exception:
             self._forget()
             raise
 
     def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
+        store = self._local_store()
         try:
-            ray.get(self._local_store().put.remote(list(items)), timeout=max(self.timeout_s, 5.0))
+            ray.get(store.put.remote(list(items)), timeout=max(self.timeout_s, 5.0))
         except Exception:
             self._forget()
             raise
+        mirror = self._mirrors.get(store_name(ray.get_runtime_context().get_node_id()))
+        if mirror is not None:  # its own writes are visible to it at once
+            mirror.keys.update(key for key, _ in items)
+
+    def refresh_index(self) -> None:
+        """Follow every store's log once (the index thread does it every ``INDEX_REFRESH_S``)."""
+        stores = self._all()
+        mirrors = {name: self._mirrors.get(name) or _Mirror() for name in stores}
+        updates: list[IndexUpdate] = ray.get([s.index_since.remote(mirrors[n].incarnation, mirrors[n].version)
+                           for n, s in stores.items()], timeout=max(self.timeout_s, 5.0))  # fmt: skip
+        for name, update in zip(stores, updates, strict=True):
+            mirrors[name].apply(update)
+        self._mirrors = mirrors
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Every store's holdings, by node id (the bench and tests read it)."""
+        """Every store's holdings, by store name (the bench and tests read it)."""
         stores = self._all()
         return dict(zip(stores, ray.get([s.stats.remote() for s in stores.values()], timeout=self.timeout_s),
                         strict=True))  # fmt: skip
 
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _follow(self) -> None:
+        failing = False
+        while not self._closed.wait(INDEX_REFRESH_S):
+            try:
+                self.refresh_index()
+            except Exception as e:  # noqa: BLE001 - a store that cannot answer: look again next time
+                if not failing:  # once per outage, not ten times a second
+                    logger.warning("KV cluster tier: reading the stores' indexes failed (%s: %s); retrying",
+                                   type(e).__name__, e)
+                failing = True
+                self._forget()
+            else:
+                failing = False
+
     def _local_store(self) -> ActorHandle:
-        if self._local is None:
-            self._local = local_store(self.max_bytes)
-        return self._local
+        with self._lock:
+            if self._local is None:
+                self._local = local_store(self.max_bytes)
+            return self._local
 
     def _all(self) -> dict[str, ActorHandle]:
         now = time.monotonic()
-        if not self._stores or now - self._refreshed > REFRESH_S:
+        if self._stores and now - self._refreshed <= REFRESH_S:
+            return self._stores
+        local = self._local_store()
+        with self._lock:
             self._refreshed = now
-            stores = {store_name(ray.get_runtime_context().get_node_id()): self._local_store()}
+            stores = {store_name(ray.get_runtime_context().get_node_id()): local}
             for entry in ray.util.list_named_actors(all_namespaces=True):
                 name = entry["name"]
                 if entry["namespace"] == NAMESPACE and name.startswith(NAME_PREFIX) and name not in stores:
@@ -158,9 +255,12 @@ class RayBlockStore:
                     except ValueError:  # gone since listed
                         continue
             self._stores = stores
-        return self._stores
+            return stores
 
     def _forget(self) -> None:
-        # A store failed: look them up again (restarting the local one) on the next call.
-        self._local = None
-        self._stores = {}
+        # A store failed: look them up again (restarting the local one) on the next call, and trust no
+        # mirror meanwhile (what the dead store held is gone; blocks are saved anew).
+        with self._lock:
+            self._local = None
+            self._stores = {}
+            self._mirrors = {}

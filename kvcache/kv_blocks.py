@@ -81,20 +81,6 @@ class Block:
         return sum(t.numel() * t.element_size() for t in self.kv + (self.scales or ()))
 
 
-def blocks_of(payloads: RankPayloads) -> list[Block]:
-    """One block per page of ``payloads``, each in memory of its own (not a view of the step's copy)."""
-    kv = [torch.stack([*p.k, *p.v], dim=1) for p in payloads]  # (pages, 2L, page_size, heads, head_dim)
-    first = payloads[0]
-    scales = None
-    if first.k_scales is not None:
-        scales = [torch.stack([*(p.k_scales or ()), *(p.v_scales or ())], dim=1) for p in payloads]
-    return [
-        Block(tuple(x[i].clone() for x in kv), None if scales is None else tuple(x[i].clone() for x in scales),
-              first.kv_dtype, first.dtype)
-        for i in range(first.num_pages)
-    ]  # fmt: skip
-
-
 def page_block(payloads: RankPayloads, page: int) -> Block:
     """Page ``page`` of ``payloads`` as a block (for one page: ``blocks_of`` copies them all)."""
     first = payloads[0]
@@ -140,15 +126,38 @@ def slice_pages(payloads: RankPayloads, start: int, stop: int) -> RankPayloads:
 
 def encode_block(key: BlockKey, layout: KVLayout, block: Block) -> np.ndarray:
     """A block as bytes (a uint8 array): header (key, layout), CRC32 of the body, the body (each rank's
-    tensors, raw).
+    tensors, raw)."""
+    return _encode(key, _meta(layout), [t for r in range(len(block.kv))
+                                        for t in (block.kv[r], *(() if block.scales is None else (block.scales[r],)))])
 
-    A numpy array rather than ``bytes``: its one copy of the tensors runs without the GIL (so does the
-    CRC), which the engine's step thread needs meanwhile, and Ray moves it without pickling its bytes.
+
+def encode_pages(keys: Sequence[BlockKey], layout: KVLayout, payloads: RankPayloads) -> list[np.ndarray]:
+    """Each page of ``payloads`` encoded as ``keys``' block: one stacking copy per rank, one copy per block.
+
+    The tiers keep blocks encoded (host memory too), so a save copies the KV twice in all, and a block
+    spilled to disk or sent to the cluster store is the same array. Arrays rather than ``bytes``: their
+    copies run without the GIL (so does the CRC), which the engine's step thread needs meanwhile, and
+    Ray moves them without pickling their bytes.
     """
+    first = payloads[0]
+    assert first.num_pages == len(keys), (first.num_pages, len(keys))
+    kv = [torch.stack([*p.k, *p.v], dim=1) for p in payloads]  # (pages, 2L, page_size, heads, head_dim)
+    scales = None
+    if first.k_scales is not None:
+        scales = [torch.stack([*(p.k_scales or ()), *(p.v_scales or ())], dim=1) for p in payloads]
+    meta = _meta(layout)
+    return [_encode(key, meta, [t for r in range(len(kv)) for t in (kv[r][i], *(() if scales is None else
+                                                                                (scales[r][i],)))])
+            for i, key in enumerate(keys)]  # fmt: skip
+
+
+def _meta(layout: KVLayout) -> bytes:
+    return json.dumps(asdict(layout), sort_keys=True).encode()
+
+
+def _encode(key: BlockKey, meta: bytes, tensors: list[torch.Tensor]) -> np.ndarray:
     assert len(key) == KEY_BYTES
-    meta = json.dumps(asdict(layout), sort_keys=True).encode()
-    parts = [_raw(t) for r in range(len(block.kv)) for t in (block.kv[r], *(() if block.scales is None else
-                                                                             (block.scales[r],)))]  # fmt: skip
+    parts = [_raw(t) for t in tensors]
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)

@@ -44,9 +44,8 @@ from kvcache.kv_blocks import (
     Block,
     BlockBytes,
     BlockKey,
-    blocks_of,
     decode_block,
-    encode_block,
+    encode_pages,
     page_block,
     payloads_of,
 )
@@ -55,8 +54,6 @@ from kvcache.kv_transfer import KVLayout, RankPayloads
 logger = logging.getLogger("flotilla.kv_tiers")
 
 GiB = 1 << 30
-# How many recently saved or loaded keys ``seen`` remembers (so a block is not copied out twice).
-SEEN_KEYS = 1 << 16
 TIER_NAMES = ("host", "disk", "cluster")
 
 
@@ -148,6 +145,9 @@ class TierStats:
 class BlockStore(Protocol):
     """The cluster tier as a client sees it (``actors.kv_store``). Any failure raises."""
 
+    def holds(self, key: BlockKey) -> bool:
+        """Whether some store holds ``key``, as far as this client knows (no call: its mirror of the index)."""
+
     def fetch(self, keys: Sequence[BlockKey]) -> list[BlockBytes]:
         """The encoded blocks of the longest run of ``keys``, from the first on, that one store holds."""
 
@@ -156,30 +156,30 @@ class BlockStore(Protocol):
 
 
 class HostTier:
-    """Blocks in this process's memory, LRU within ``max_bytes``."""
+    """Encoded blocks in this process's memory, LRU within ``max_bytes``."""
 
     def __init__(self, max_bytes: int, stats: TierStats) -> None:
         self.max_bytes = max_bytes
         self.stats = stats
-        self._blocks: OrderedDict[BlockKey, Block] = OrderedDict()
+        self._blocks: OrderedDict[BlockKey, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
 
-    def get(self, key: BlockKey) -> Block | None:
+    def get(self, key: BlockKey) -> np.ndarray | None:
         with self._lock:
             block = self._blocks.get(key)
             if block is not None:
                 self._blocks.move_to_end(key)
             return block
 
-    def put(self, key: BlockKey, block: Block) -> list[tuple[BlockKey, Block]]:
+    def put(self, key: BlockKey, block: np.ndarray) -> list[tuple[BlockKey, np.ndarray]]:
         """Keep ``block``; returns the blocks evicted to make room (or ``block`` itself, if it cannot fit)."""
         with self._lock:
             return self._put(key, block)
 
-    def _put(self, key: BlockKey, block: Block) -> list[tuple[BlockKey, Block]]:
+    def _put(self, key: BlockKey, block: np.ndarray) -> list[tuple[BlockKey, np.ndarray]]:
         if key in self._blocks:
             self._blocks.move_to_end(key)
             return []
@@ -314,15 +314,12 @@ class TieredKV:
             assert disk_path is not None
             self.disk = DiskTier(disk_path, config.disk_bytes, self.stats["disk"])
         self.store = store
-        # Keys saved or loaded lately (oldest first): the cluster tier's blocks are not copied out again.
-        self.seen: dict[BlockKey, None] = {}
         # Blocks handed over (``stage``) whose ``save`` has not run yet: found by loads meanwhile.
         self.staged: dict[BlockKey, tuple[RankPayloads, int]] = {}
 
     def may_hold(self, key: BlockKey) -> bool:
-        """Whether a tier might hold ``key`` (the cluster always might: asking it costs a call)."""
-        return (self.store is not None or key in self.staged or (self.host is not None and key in self.host)
-                or (self.disk is not None and key in self.disk))  # fmt: skip
+        """Whether a tier holds ``key`` as far as this process knows (no call); a load is worth starting."""
+        return self.known(key)
 
     def stage(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
         """Make the pages of ``payloads`` findable now; ``save`` (on the worker) files them later."""
@@ -339,8 +336,6 @@ class TieredKV:
             blocks.append(block)
         if len(blocks) < len(keys) and self.store is not None:
             blocks += self._cluster(keys[len(blocks) :])
-        for key in keys[: len(blocks)]:
-            self._see(key)
         return payloads_of(blocks) if blocks else None
 
     def save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
@@ -349,29 +344,25 @@ class TieredKV:
             self._save(keys, payloads)
         finally:
             for key in keys:
-                self._see(key)
                 self.staged.pop(key, None)
 
     def known(self, key: BlockKey) -> bool:
         """Whether a tier holds ``key`` or it waits to be saved: no need to copy it out again.
 
-        For the cluster tier, "holds" is "was put or read lately" (``seen``): its stores are not asked.
+        For the cluster tier, as far as the client's mirror of the stores' index knows (no call).
         """
         return (key in self.staged or (self.host is not None and key in self.host)
-                or (self.disk is not None and key in self.disk) or (self.store is not None and key in self.seen))
+                or (self.disk is not None and key in self.disk) or (self.store is not None and self.store.holds(key)))
 
     def _save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
-        blocks = blocks_of(payloads)
-        assert len(blocks) == len(keys), (len(blocks), len(keys))
-        spill: list[tuple[BlockKey, Block]] = list(zip(keys, blocks, strict=True))
+        items = list(zip(keys, encode_pages(keys, self.layout, payloads), strict=True))
+        spill = items
         if self.host is not None:
-            spill = [old for key, block in spill for old in self.host.put(key, block)]
+            spill = [old for key, data in items for old in self.host.put(key, data)]
         if self.disk is not None:
-            for key, block in spill:
-                data = encode_block(key, self.layout, block)
+            for key, data in spill:
                 self.disk.put(key, data)
         if self.store is not None:
-            items = [(key, encode_block(key, self.layout, block)) for key, block in zip(keys, blocks, strict=True)]
             try:
                 self.store.put(items)
             except Exception as e:  # noqa: BLE001 - a dead or unreachable store is a dropped write
@@ -391,11 +382,14 @@ class TieredKV:
         if self.host is not None:
             stats = self.stats["host"]
             stats.lookups += 1
-            block = self.host.get(key)
-            if block is not None:
+            held = self.host.get(key)
+            block = None if held is None else decode_block(held, key, self.layout, self.world_size)
+            if block is not None and held is not None:
                 stats.hits += 1
-                stats.bytes_read += block.nbytes
+                stats.bytes_read += held.nbytes
                 return block
+            if held is not None:  # memory went bad under it: a miss like any corrupt block
+                stats.errors += 1
         if self.disk is None or key not in self.disk:
             if self.disk is not None:
                 self.stats["disk"].lookups += 1
@@ -446,16 +440,8 @@ class TieredKV:
 
     def _store_failed(self, what: str, e: Exception) -> None:
         self.stats["cluster"].errors += 1
-        self.seen.clear()  # what the store held may be gone with it: save blocks again
         _warn_once(f"cluster-{what}", "KV cluster tier: %s failed (%s: %s); the KV is recomputed until the "
                                       "store answers again", what, type(e).__name__, e)
-
-    def _see(self, key: BlockKey) -> None:
-        seen = self.seen
-        seen.pop(key, None)
-        seen[key] = None
-        if len(seen) > SEEN_KEYS:
-            del seen[next(iter(seen))]
 
 
 _WARNED: set[str] = set()

@@ -104,8 +104,8 @@ class KVOffload:
                 disk_path = Path(offload.disk_path).expanduser()
             else:  # a folder of this engine's own, removed when it stops
                 disk_path = self._own_disk = cache_dir() / "kv_blocks" / uuid.uuid4().hex[:12]
-        store = RayBlockStore(offload.cluster_bytes, max(offload.load_wait_s, 0.1)) if offload.cluster else None
-        self.tiers = TieredKV(offload, layout, self.world_size, disk_path=disk_path, store=store)
+        self._store = RayBlockStore(offload.cluster_bytes, max(offload.load_wait_s, 0.1)) if offload.cluster else None
+        self.tiers = TieredKV(offload, layout, self.world_size, disk_path=disk_path, store=self._store)
         self.scheduler = scheduler
         scheduler.kv.saver = self
         self._salts: dict[str | None, bytes] = {}
@@ -203,6 +203,8 @@ class KVOffload:
     def shutdown(self) -> None:
         self._loader.stop(5.0)
         self._saver.stop(5.0)
+        if self._store is not None:
+            self._store.close()
         if self._own_disk is not None:
             shutil.rmtree(self._own_disk, ignore_errors=True)
 

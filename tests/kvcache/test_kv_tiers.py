@@ -17,9 +17,9 @@ from kvcache.kv_blocks import (
     BlockBytes,
     block_keys,
     block_salt,
-    blocks_of,
     decode_block,
     encode_block,
+    encode_pages,
     page_block,
     payloads_of,
 )
@@ -77,7 +77,8 @@ def test_blocks_round_trip_and_refuse_anything_else(kv_dtype: str) -> None:
     layout = KVLayout.of(pool)
     block = _pages(pool, [3])
     key, other_key = b"k" * KEY_BYTES, b"o" * KEY_BYTES
-    data = encode_block(key, layout, blocks_of(block)[0])
+    data = encode_pages([key], layout, block)[0]
+    assert np.array_equal(data, encode_block(key, layout, page_block(block, 0)))
     back = decode_block(data, key, layout, 1)
     assert back is not None and _equal(payloads_of([back]), block)
     assert decode_block(data, other_key, layout, 1) is None  # someone else's block under this name
@@ -90,17 +91,20 @@ def test_blocks_round_trip_and_refuse_anything_else(kv_dtype: str) -> None:
     assert decode_block(b"", key, layout, 1) is None
     # A whole, well-formed block of another model dtype, filed under this key: refused by its layout.
     bf16 = _pool(torch.bfloat16)
-    foreign = encode_block(key, KVLayout.of(bf16), blocks_of(_pages(bf16, [3]))[0])
+    foreign = encode_pages([key], KVLayout.of(bf16), _pages(bf16, [3]))[0]
     assert decode_block(foreign, key, layout, 1) is None
 
 
 def test_split_and_join_are_inverse() -> None:
     pool = _pool()
     payload = _pages(pool, [5, 1, 9])
-    blocks = blocks_of(payload)
-    assert len(blocks) == 3 and all(b.kv[0].shape == (4, 4, 2, 8) for b in blocks)  # 2 layers' k and v
-    assert _equal(payloads_of(blocks), payload)
-    assert _equal(payloads_of([blocks[1]]), _pages(pool, [1]))
+    layout = KVLayout.of(pool)
+    keys = _keys(3)
+    blocks = [decode_block(d, k, layout, 1) for k, d in zip(keys, encode_pages(keys, layout, payload), strict=True)]
+    assert all(b is not None and b.kv[0].shape == (4, 4, 2, 8) for b in blocks)  # 2 layers' k and v
+    whole = [b for b in blocks if b is not None]
+    assert _equal(payloads_of(whole), payload)
+    assert _equal(payloads_of([whole[1]]), _pages(pool, [1]))
     assert _equal(payloads_of([page_block(payload, 2)]), _pages(pool, [9]))
 
 
@@ -121,13 +125,17 @@ def _tiers(tmp_path: Path, *, host: int = 0, disk: int = 0, store: BlockStore | 
     return TieredKV(config, KVLayout.of(_pool()), 1, disk_path=tmp_path / "blocks" if disk else None, store=store)
 
 
+def _encoded_bytes(pool: KVPool) -> int:
+    return len(encode_pages([b"k" * KEY_BYTES], KVLayout.of(pool), _pages(pool, [0]))[0])
+
+
 def _keys(n: int, seed: int = 0) -> list[bytes]:
     return block_keys(bytes([seed]) * 16, list(range(4 * n)), n, 4)
 
 
 def test_host_tier_keeps_the_newest_blocks_within_its_bytes(tmp_path: Path) -> None:
     pool = _pool()
-    block_bytes = pool.read_pages([0]).nbytes
+    block_bytes = _encoded_bytes(pool)  # the host tier keeps blocks encoded, as disk and store do
     tiers = _tiers(tmp_path, host=3 * block_bytes)
     keys = _keys(5)
     tiers.save(keys, _pages(pool, [0, 1, 2, 3, 4]))
@@ -140,9 +148,8 @@ def test_host_tier_keeps_the_newest_blocks_within_its_bytes(tmp_path: Path) -> N
 
 def test_disk_tier_spills_from_host_and_stays_within_bytes(tmp_path: Path) -> None:
     pool = _pool()
-    block_bytes = pool.read_pages([0]).nbytes
-    file_bytes = len(encode_block(b"k" * KEY_BYTES, KVLayout.of(pool), blocks_of(_pages(pool, [0]))[0]))
-    tiers = _tiers(tmp_path, host=2 * block_bytes, disk=4 * file_bytes + file_bytes // 2)
+    file_bytes = _encoded_bytes(pool)
+    tiers = _tiers(tmp_path, host=2 * file_bytes, disk=4 * file_bytes + file_bytes // 2)
     keys = _keys(8)
     tiers.save(keys, _pages(pool, list(range(8))))
     disk = tiers.stats["disk"]
@@ -194,6 +201,9 @@ def test_a_full_disk_drops_blocks_without_raising(tmp_path: Path, monkeypatch: p
 
 
 class _DeadStore:
+    def holds(self, key: bytes) -> bool:
+        return True  # its index says so; the calls fail
+
     def fetch(self, keys: Sequence[bytes]) -> list[BlockBytes]:
         raise ConnectionError("store gone")
 
@@ -218,6 +228,9 @@ class _MemStore:
 
     def __init__(self) -> None:
         self.blocks: dict[bytes, np.ndarray] = {}
+
+    def holds(self, key: bytes) -> bool:
+        return key in self.blocks
 
     def fetch(self, keys: Sequence[bytes]) -> list[BlockBytes]:
         out = []

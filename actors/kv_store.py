@@ -10,12 +10,14 @@ store and reads from every node's (``RayBlockStore``, the ``BlockStore`` of
 ``kvcache.kv_tiers``).
 
 The index: each client mirrors which keys every store holds, following the
-stores' logs from a thread of its own every ``INDEX_REFRESH_S``. A lookup is
+stores' logs from a thread of its own by long-poll (a store answers as soon
+as it has news, or after ``INDEX_POLL_S``: an idle cluster costs a call per
+store and client every few seconds, a busy one a call per change). A lookup is
 then a set membership in the engine's process: a block no store holds costs
 a request no round trip, and a hit costs one call, to the store whose run of
-the request's keys is longest. The mirror may lag by a refresh (a block
-stored in the last ~0.1 s is a miss: computed again), or name a block the
-store has since evicted (the store answers the run it still holds).
+the request's keys is longest. The mirror lags by a round trip (a block
+stored a few milliseconds ago is a miss: computed again), or names a block
+the store has since evicted (the store answers the run it still holds).
 
 Faults: a call that fails or times out raises, and ``TieredKV`` turns it
 into a miss (or a dropped write) and a warning metric. After a failure the
@@ -26,6 +28,8 @@ died, is started anew (empty), and a store that restarted is mirrored anew
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -45,7 +49,7 @@ logger = get_logger(__name__.rsplit(".", 1)[-1])
 NAMESPACE = "flotilla"
 NAME_PREFIX = "flotilla-kv-store-"
 REFRESH_S = 10.0  # how often a client looks for stores on nodes it has not seen yet
-INDEX_REFRESH_S = 0.1  # how often a client follows the stores' logs
+INDEX_POLL_S = 2.0  # the longest a store holds a client's index long-poll with no news
 STARTUP_TIMEOUT_S = 120.0  # a new store actor's process start on a busy node
 
 # (incarnation, version after these events, the whole key set when the caller must start over else None,
@@ -65,8 +69,11 @@ class KVStoreActor:
         self._incarnation = uuid.uuid4().hex
         self._log: list[tuple[bool, BlockKey]] = []  # events from version _log_start on
         self._log_start = 0
+        self._changed = asyncio.Event()  # set (and replaced) by each put that changes the log
 
-    def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
+    # Async methods: ``index_since`` waits for news without holding up fetches and puts. None of them
+    # awaits between reading and changing the state, so each runs whole on the actor's event loop.
+    async def fetch(self, keys: Sequence[BlockKey]) -> list[np.ndarray]:
         """The blocks of the longest run of ``keys``, from the first on, that this store holds."""
         out: list[np.ndarray] = []
         for key in keys:
@@ -77,7 +84,8 @@ class KVStoreActor:
             out.append(data)
         return out
 
-    def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
+    async def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
+        before = len(self._log)
         for key, data in items:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
@@ -96,15 +104,23 @@ class KVStoreActor:
         if len(self._log) > 2 * len(self._blocks) + 1024:  # compact: late readers get the whole set
             self._log_start += len(self._log)
             self._log = []
+        if len(self._log) != before:
+            self._changed.set()
+            self._changed = asyncio.Event()
 
-    def index_since(self, incarnation: str, version: int) -> IndexUpdate:
-        """What changed since ``version`` of ``incarnation``; the whole key set if that cannot be told."""
+    async def index_since(self, incarnation: str, version: int, wait_s: float = 0.0) -> IndexUpdate:
+        """What changed since ``version`` of ``incarnation`` (waiting up to ``wait_s`` for news); the whole
+        key set if that cannot be told."""
         end = self._log_start + len(self._log)
+        if wait_s > 0 and incarnation == self._incarnation and version == end:
+            with contextlib.suppress(TimeoutError):  # no news within wait_s: answer that
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+            end = self._log_start + len(self._log)
         if incarnation != self._incarnation or not self._log_start <= version <= end:
             return self._incarnation, end, list(self._blocks), []
         return self._incarnation, end, None, self._log[version - self._log_start :]
 
-    def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, int]:
         return {"blocks": len(self._blocks), "bytes": self._bytes, "max_bytes": self.max_bytes}
 
 
@@ -198,12 +214,12 @@ class RayBlockStore:
         if mirror is not None:  # its own writes are visible to it at once
             mirror.keys.update(key for key, _ in items)
 
-    def refresh_index(self) -> None:
-        """Follow every store's log once (the index thread does it every ``INDEX_REFRESH_S``)."""
+    def refresh_index(self, wait_s: float = 0.0) -> None:
+        """Follow every store's log once, waiting up to ``wait_s`` for news (the index thread's long-poll)."""
         stores = self._all()
         mirrors = {name: self._mirrors.get(name) or _Mirror() for name in stores}
-        updates: list[IndexUpdate] = ray.get([s.index_since.remote(mirrors[n].incarnation, mirrors[n].version)
-                           for n, s in stores.items()], timeout=max(self.timeout_s, 5.0))  # fmt: skip
+        updates: list[IndexUpdate] = ray.get([s.index_since.remote(mirrors[n].incarnation, mirrors[n].version, wait_s)
+                                              for n, s in stores.items()], timeout=wait_s + max(self.timeout_s, 5.0))  # fmt: skip
         for name, update in zip(stores, updates, strict=True):
             mirrors[name].apply(update)
         self._mirrors = mirrors
@@ -215,21 +231,23 @@ class RayBlockStore:
                         strict=True))  # fmt: skip
 
     def close(self) -> None:
+        """Stop following the indexes (the thread ends when its long-poll returns; it is a daemon)."""
         self._closed.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
 
     def _follow(self) -> None:
         failing = False
-        while not self._closed.wait(INDEX_REFRESH_S):
+        while not self._closed.is_set():
             try:
-                self.refresh_index()
+                self.refresh_index(INDEX_POLL_S)
             except Exception as e:  # noqa: BLE001 - a store that cannot answer: look again next time
-                if not failing:  # once per outage, not ten times a second
+                if self._closed.is_set():
+                    return
+                if not failing:  # once per outage
                     logger.warning("KV cluster tier: reading the stores' indexes failed (%s: %s); retrying",
                                    type(e).__name__, e)
                 failing = True
                 self._forget()
+                self._closed.wait(1.0)  # a store that is down: look again in a second
             else:
                 failing = False
 

@@ -12,11 +12,11 @@ store and reads from every node's (``RayBlockStore``, the ``BlockStore`` of
 The index: each client mirrors which keys every store holds, following the
 stores' logs from a thread of its own by long-poll (a store answers as soon
 as it has news, or after ``INDEX_POLL_S``: an idle cluster costs a call per
-store and client every few seconds, a busy one a call per change). A lookup is
+store and client every two seconds, a busy one five a second at most). A lookup is
 then a set membership in the engine's process: a block no store holds costs
 a request no round trip, and a hit costs one call, to the store whose run of
-the request's keys is longest. The mirror lags by a round trip (a block
-stored a few milliseconds ago is a miss: computed again), or names a block
+the request's keys is longest. The mirror lags by up to ``INDEX_MIN_INTERVAL_S``
+and a round trip (a block stored that recently is a miss: computed again), or names a block
 the store has since evicted (the store answers the run it still holds).
 
 Faults: a call that fails or times out raises, and ``TieredKV`` turns it
@@ -50,6 +50,7 @@ NAMESPACE = "flotilla"
 NAME_PREFIX = "flotilla-kv-store-"
 REFRESH_S = 10.0  # how often a client looks for stores on nodes it has not seen yet
 INDEX_POLL_S = 2.0  # the longest a store holds a client's index long-poll with no news
+INDEX_MIN_INTERVAL_S = 0.2  # between two polls: a busy store's news is read at most five times a second
 STARTUP_TIMEOUT_S = 120.0  # a new store actor's process start on a busy node
 
 # (incarnation, version after these events, the whole key set when the caller must start over else None,
@@ -250,6 +251,7 @@ class RayBlockStore:
                 self._closed.wait(1.0)  # a store that is down: look again in a second
             else:
                 failing = False
+                self._closed.wait(INDEX_MIN_INTERVAL_S)
 
     def _local_store(self) -> ActorHandle:
         with self._lock:

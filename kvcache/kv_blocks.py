@@ -132,23 +132,18 @@ def encode_block(key: BlockKey, layout: KVLayout, block: Block) -> np.ndarray:
 
 
 def encode_pages(keys: Sequence[BlockKey], layout: KVLayout, payloads: RankPayloads) -> list[np.ndarray]:
-    """Each page of ``payloads`` encoded as ``keys``' block: one stacking copy per rank, one copy per block.
+    """Each page of ``payloads`` encoded as ``keys``' block, copied once: from each layer's page into it.
 
-    The tiers keep blocks encoded (host memory too), so a save copies the KV twice in all, and a block
-    spilled to disk or sent to the cluster store is the same array. Arrays rather than ``bytes``: their
+    The tiers keep blocks encoded (host memory too), so the array a save makes is the one host memory
+    holds, that spills to disk and that goes to the cluster store. Arrays rather than ``bytes``: their
     copies run without the GIL (so does the CRC), which the engine's step thread needs meanwhile, and
     Ray moves them without pickling their bytes.
     """
     first = payloads[0]
     assert first.num_pages == len(keys), (first.num_pages, len(keys))
-    kv = [torch.stack([*p.k, *p.v], dim=1) for p in payloads]  # (pages, 2L, page_size, heads, head_dim)
-    scales = None
-    if first.k_scales is not None:
-        scales = [torch.stack([*(p.k_scales or ()), *(p.v_scales or ())], dim=1) for p in payloads]
+    per_rank = [(*p.k, *p.v, *(p.k_scales or ()), *(p.v_scales or ())) for p in payloads]
     meta = _meta(layout)
-    return [_encode(key, meta, [t for r in range(len(kv)) for t in (kv[r][i], *(() if scales is None else
-                                                                                (scales[r][i],)))])
-            for i, key in enumerate(keys)]  # fmt: skip
+    return [_encode(key, meta, [t[i] for tensors in per_rank for t in tensors]) for i, key in enumerate(keys)]
 
 
 def _meta(layout: KVLayout) -> bytes:

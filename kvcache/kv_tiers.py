@@ -340,11 +340,17 @@ class TieredKV:
 
     def save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
         """Keep the pages of ``payloads`` (one per key, in order) in every tier that is on."""
+        self.save_many([(keys, payloads)])
+
+    def save_many(self, groups: Sequence[tuple[Sequence[BlockKey], RankPayloads]]) -> None:
+        """``save`` for several steps' pages at once: one call to the cluster store for all of them."""
         try:
-            self._save(keys, payloads)
+            self._save([item for keys, payloads in groups
+                        for item in zip(keys, encode_pages(keys, self.layout, payloads), strict=True)])  # fmt: skip
         finally:
-            for key in keys:
-                self.staged.pop(key, None)
+            for keys, _ in groups:
+                for key in keys:
+                    self.staged.pop(key, None)
 
     def known(self, key: BlockKey) -> bool:
         """Whether a tier holds ``key`` or it waits to be saved: no need to copy it out again.
@@ -354,8 +360,7 @@ class TieredKV:
         return (key in self.staged or (self.host is not None and key in self.host)
                 or (self.disk is not None and key in self.disk) or (self.store is not None and self.store.holds(key)))
 
-    def _save(self, keys: Sequence[BlockKey], payloads: RankPayloads) -> None:
-        items = list(zip(keys, encode_pages(keys, self.layout, payloads), strict=True))
+    def _save(self, items: list[tuple[BlockKey, np.ndarray]]) -> None:
         spill = items
         if self.host is not None:
             spill = [old for key, data in items for old in self.host.put(key, data)]

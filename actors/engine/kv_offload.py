@@ -21,6 +21,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -65,11 +66,6 @@ class _Worker:
         self._queue.put((future, job))
         return future
 
-    @property
-    def backlog(self) -> int:
-        """Jobs waiting to start."""
-        return self._queue.qsize()
-
     def stop(self, timeout_s: float) -> None:
         self._queue.put(None)
         self._thread.join(timeout_s)
@@ -112,6 +108,7 @@ class KVOffload:
         self._loads: dict[str, _Load] = {}
         self._loader = _Worker("kv-tier-loads")
         self._saver = _Worker("kv-tier-saves")
+        self._to_save: deque[tuple[list[BlockKey], RankPayloads]] = deque()  # appended here, taken by the saver
         self.wake: Callable[[], None] = _nothing
         self.load_timeouts = 0  # loads that outlasted load_wait_s (the request computed its prefix)
         self.dropped_saves = 0  # pages not saved because the tiers lagged behind
@@ -125,11 +122,21 @@ class KVOffload:
 
     def store(self, keys: list[BlockKey], payloads: RankPayloads) -> None:
         """Hand a step's copied-out pages to the tiers (on the worker)."""
-        if self._saver.backlog >= MAX_PENDING_SAVES:
+        if len(self._to_save) >= MAX_PENDING_SAVES:
             self.dropped_saves += len(keys)
             return
         self.tiers.stage(keys, payloads)
-        self._saver.submit(lambda: self.tiers.save(keys, payloads)).add_done_callback(_log_failure)
+        self._to_save.append((keys, payloads))
+        self._saver.submit(self._save_queued).add_done_callback(_log_failure)
+
+    def _save_queued(self) -> None:
+        # Every step's pages handed over since the last run, in one batch (one call to the cluster
+        # store); a job that finds the queue empty (an earlier one took its pages) does nothing.
+        groups = []
+        while self._to_save:
+            groups.append(self._to_save.popleft())
+        if groups:
+            self.tiers.save_many(groups)
 
     def wait_for_saves(self, timeout_s: float = 60.0) -> None:
         """Block until every save handed over so far is filed (tests; a bench between phases)."""

@@ -32,7 +32,7 @@ def test_conversations_are_seeded_and_grow_turn_by_turn() -> None:
 def test_a_small_run_prints_both_sets(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "kv-tiers", "--model", "tiny", "--conversations", "3", "--turns", "2", "--passages", "4",
                  "--max-tokens", "8", "--think-s", "1.0", "--no-reuse-requests", "2", "--no-reuse-prompt-len", "64",
-                 "--no-reuse-max-tokens", "4", "--runs", "1", "--json"])  # fmt: skip
+                 "--no-reuse-max-tokens", "4", "--no-reuse-min-s", "0", "--runs", "1", "--json"])  # fmt: skip
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["tiers_off"]) >= SET_KEYS and set(out["tiers_on"]) >= SET_KEYS

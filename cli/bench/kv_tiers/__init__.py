@@ -46,6 +46,10 @@ class KVTiersBench:
         parser.add_argument("--no-reuse-prompt-len", type=int, default=256)
         parser.add_argument("--no-reuse-max-tokens", type=int, default=32)
         parser.add_argument(
+            "--no-reuse-min-s", type=float, default=5.0,
+            help="seconds each no-reuse run lasts at least (batches of --no-reuse-requests, fresh prompts)",
+        )
+        parser.add_argument(
             "--runs", type=int, default=5, help="alternating no-reuse runs of each set (median of pair ratios)"
         )
         parser.add_argument("--seed", type=int, default=0)
@@ -84,6 +88,7 @@ class KVTiersBench:
             no_reuse_prompt_len=args.no_reuse_prompt_len,
             no_reuse_max_tokens=args.no_reuse_max_tokens,
             runs=args.runs,
+            no_reuse_min_s=args.no_reuse_min_s,
             seed=args.seed,
             kv_offload=args.kv_offload,
             engine=engine,

@@ -57,12 +57,12 @@ def conversations(count: int, turns: int, passages: int, seed: int) -> list[Conv
     return out
 
 
-def unique_prompts(tokenizer: ChatTokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+def unique_prompts(tokenizer: ChatTokenizer, count: int, length: int, seed: object) -> list[list[int]]:
     """``count`` prompts of ``length`` tokens that share no page with each other (nor with earlier seeds):
     each starts with its own seeded token run, then shipped prose."""
     texts = chat_texts()
     prose = tokenizer.encode(" ".join(texts.passages), add_special_tokens=False)
-    rng = random.Random(f"no-reuse-{seed}")
+    rng = random.Random(f"no-reuse-{seed!r}")
     out = []
     for _ in range(count):
         head = [rng.randrange(len(tokenizer)) for _ in range(8)]

@@ -21,10 +21,13 @@ both count as cached). ``new_replica_cluster_hits``: blocks the late
 replica read from the cluster tier. ``same_tokens``: every turn's greedy
 tokens equal between the two sets.
 
-Phase 2, no reuse: ``no_reuse_requests`` prompts that share no page, all at
-once over the first ``replicas`` replicas, ``runs`` times, alternating the
-two sets (fresh prompts each pair); the median output tok/s of each set. The
-tiers still copy every page out and store it: this is their cost.
+Phase 2, no reuse: batches of ``no_reuse_requests`` prompts that share no
+page, each batch all at once over the first ``replicas`` replicas, ``runs``
+pairs alternating the two sets. The first set of a pair runs fresh batches
+until ``no_reuse_min_s`` has passed (a run of a second is all jitter), the
+second set the same batches; output tok/s per run, the median of each set,
+and the median over pairs of their ratio. The tiers still copy every page
+out and store it: this is their cost.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -73,6 +77,7 @@ class Settings:
     no_reuse_requests: int = 16
     no_reuse_prompt_len: int = 256
     no_reuse_max_tokens: int = 32
+    no_reuse_min_s: float = 5.0
     runs: int = 5
     seed: int = 0
     kv_offload: dict[str, Any] | str = field(
@@ -85,6 +90,8 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.no_reuse_min_s >= 0:
+            raise ValueError(f"no_reuse_min_s must be >= 0, got {self.no_reuse_min_s}")
         if self.turns < 2:
             raise ValueError("turns must be >= 2: the figures are of turns 2 and later")
 
@@ -189,12 +196,20 @@ async def _chat(replicas: list[Replica], settings: Settings, tokenizer: ChatToke
     return done, late.index
 
 
-async def _no_reuse(replicas: list[Replica], prompts: list[list[int]], settings: Settings, tag: str) -> float:
+async def _no_reuse(replicas: list[Replica], batches: Iterator[list[list[int]]], settings: Settings, tag: str,
+                    min_s: float) -> tuple[float, int]:  # fmt: skip
+    """Output tok/s over batches of ``batches`` run one after another until ``min_s`` has passed; and how many."""
     params = SamplingParams(max_tokens=settings.no_reuse_max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    outs = await asyncio.gather(*(replicas[i % len(replicas)].request(f"{tag}-{i}", p, params)
-                                  for i, p in enumerate(prompts)))  # fmt: skip
-    return sum(len(o.tokens) for o in outs) / (time.perf_counter() - start)
+    tokens = used = 0
+    for prompts in batches:
+        outs = await asyncio.gather(*(replicas[i % len(replicas)].request(f"{tag}-b{used}-{i}", p, params)
+                                      for i, p in enumerate(prompts)))  # fmt: skip
+        tokens += sum(len(o.tokens) for o in outs)
+        used += 1
+        if time.perf_counter() - start >= min_s:
+            break
+    return tokens / (time.perf_counter() - start), used
 
 
 def _tier_counter(stats: EngineStats, tier: str, name: str) -> float:
@@ -233,12 +248,22 @@ async def _run(settings: Settings, configs: dict[str, EngineConfig], tokenizer: 
             results[name] = _summary(done, late, await sets[name][late].stats())
         tok_per_s: dict[str, list[float]] = {name: [] for name in SETS}
         for run in tqdm(range(settings.runs), desc="no-reuse pairs", unit="pair"):
-            prompts = unique_prompts(tokenizer, settings.no_reuse_requests, settings.no_reuse_prompt_len,
-                                     settings.seed * 1000 + run)  # fmt: skip
-            order = SETS if run % 2 == 0 else SETS[::-1]
-            for name in order:
-                tok_per_s[name].append(await _no_reuse(sets[name][: settings.replicas], prompts, settings,
-                                                       f"{name}-nr{run}"))  # fmt: skip
+            made: list[list[list[int]]] = []
+
+            def batches(run: int = run, made: list[list[list[int]]] = made) -> Iterator[list[list[int]]]:
+                for b in itertools.count():
+                    if b == len(made):
+                        made.append(unique_prompts(tokenizer, settings.no_reuse_requests,
+                                                   settings.no_reuse_prompt_len, (settings.seed, run, b)))
+                    yield made[b]
+
+            first, second = SETS if run % 2 == 0 else SETS[::-1]
+            rate, used = await _no_reuse(sets[first][: settings.replicas], batches(), settings, f"{first}-nr{run}",
+                                         settings.no_reuse_min_s)  # fmt: skip
+            tok_per_s[first].append(rate)
+            rate, _ = await _no_reuse(sets[second][: settings.replicas], itertools.islice(batches(), used),
+                                      settings, f"{second}-nr{run}", float("inf"))  # fmt: skip
+            tok_per_s[second].append(rate)
         for name in SETS:
             results[name]["no_reuse_output_tok_per_s"] = round(median(tok_per_s[name]), 2)
             results[name]["no_reuse_runs_tok_per_s"] = [round(x, 2) for x in tok_per_s[name]]

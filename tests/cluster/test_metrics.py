@@ -139,7 +139,7 @@ def _spec_snapshot(scheduler: Scheduler, allocator: PageAllocator) -> EngineStat
     engine = SimpleNamespace(scheduler=scheduler, allocator=allocator, num_unfinished_requests=0,
                              forward_seconds_total=0.0, grammar=SimpleNamespace(compile_seconds=lambda: (0, ())),
                              constrained_requests={}, grammar_seconds_total=0.0,
-                             loras=SimpleNamespace(requests={}, load_seconds={}, serving=lambda: []))
+                             loras=SimpleNamespace(requests={}, load_seconds={}, serving=lambda: []), offload=None)
     return snapshot(cast("LLMEngine", engine), LatencyWindow())
 
 
@@ -296,3 +296,22 @@ def test_live_server_exposes_every_family(tiny_model_dir: Path) -> None:
             assert time.monotonic() < deadline, "flotilla metrics never reached Ray's endpoint"
             time.sleep(0.5)  # Ray exports on its own timer (no event to wait on); bounded by the deadline
         server.assert_pages_free()
+
+
+def _tier(lookups: int, hits: int, errors: int, held: int) -> tuple[tuple[str, float], ...]:
+    return (("lookups", lookups), ("hits", hits), ("bytes_read", hits * 100), ("bytes_written", 50),
+            ("load_seconds", 0.25), ("errors", errors), ("blocks", 1), ("bytes", held))  # fmt: skip
+
+
+def test_kv_tier_counters_reach_the_exposition_per_tier() -> None:
+    rm = ReplicaMetrics("tiny", "r1", export_to_ray=False)
+    engine_only = ("engine", (("load_timeouts", 3), ("dropped_saves", 0), ("tier_hit_tokens", 64)))
+    rm.update(stats(kv_tiers=(("host", _tier(4, 2, 0, 700)), ("cluster", _tier(10, 6, 1, 900)), engine_only)))
+    rm.update(stats(kv_tiers=(("host", _tier(6, 3, 0, 650)), ("cluster", _tier(12, 6, 2, 900)), engine_only)))
+    s = samples(rm.render())
+    assert s[("flotilla:kv_tier_hits_total", (("tier", "host"),))] == 3
+    assert s[("flotilla:kv_tier_lookups_total", (("tier", "cluster"),))] == 12
+    assert s[("flotilla:kv_tier_errors_total", (("tier", "cluster"),))] == 2
+    assert s[("flotilla:kv_tier_bytes_read_total", (("tier", "cluster"),))] == 600
+    assert s[("flotilla:kv_tier_bytes", (("tier", "host"),))] == 650  # a gauge: what is held now
+    assert not any(labels == (("tier", "engine"),) for _, labels in s)  # the engine's counts are not a tier

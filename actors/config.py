@@ -12,7 +12,7 @@ from kvcache.attention.flashinfer import FlashInferKernels, check_flashinfer_set
 from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype
-from kvcache.kv_tiers import KVOffloadConfig
+from kvcache.kv_offload_config import KVOffloadConfig
 from scheduling.errors import InvalidParameterError
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.spec_config import SpeculativeConfig
@@ -79,7 +79,7 @@ class EngineConfig:
     kept read on the host. LoRA runs eagerly (its segment shapes change
     every step: no CUDA graphs) and with n-gram speculation only (a draft
     model or self-draft would propose without the adapter).
-    ``kv_offload``: the KV tiers below the pool (``kvcache.kv_tiers.KVOffloadConfig``:
+    ``kv_offload``: the KV tiers below the pool (``kvcache.kv_offload_config.KVOffloadConfig``:
     host memory, local disk, the cluster store; a dict or its JSON text),
     with prefix caching only; None: off.
     Errors name the parameter and, where two settings disagree, both values.

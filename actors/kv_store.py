@@ -225,12 +225,6 @@ class RayBlockStore:
             mirrors[name].apply(update)
         self._mirrors = mirrors
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        """Every store's holdings, by store name (the bench and tests read it)."""
-        stores = self._all()
-        return dict(zip(stores, ray.get([s.stats.remote() for s in stores.values()], timeout=self.timeout_s),
-                        strict=True))  # fmt: skip
-
     def close(self) -> None:
         """Stop following the indexes (the thread ends when its long-poll returns; it is a daemon)."""
         self._closed.set()

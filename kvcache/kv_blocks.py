@@ -11,7 +11,7 @@ KV dtype, the page size and the pool layout. Equal keys therefore mean equal
 token prefixes of equal models; the chain makes a block's key depend on
 every token before it, as attention does.
 
-On disk and in the cluster store a block travels as bytes (``encode_block``):
+On disk and in the cluster store a block travels as bytes (``encode_pages``):
 a header naming its key and layout, a CRC32 of the body, then the raw
 tensors (their sizes follow from the layout). A reader (``decode_block``)
 checks all three and answers None for a block that
@@ -76,10 +76,6 @@ class Block:
     kv_dtype: str
     dtype: str
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv + (self.scales or ()))
-
 
 def page_block(payloads: RankPayloads, page: int) -> Block:
     """Page ``page`` of ``payloads`` as a block (for one page: ``blocks_of`` copies them all)."""
@@ -122,13 +118,6 @@ def slice_pages(payloads: RankPayloads, start: int, stop: int) -> RankPayloads:
         )
         for p in payloads
     )  # fmt: skip
-
-
-def encode_block(key: BlockKey, layout: KVLayout, block: Block) -> np.ndarray:
-    """A block as bytes (a uint8 array): header (key, layout), CRC32 of the body, the body (each rank's
-    tensors, raw)."""
-    return _encode(key, _meta(layout), [t for r in range(len(block.kv))
-                                        for t in (block.kv[r], *(() if block.scales is None else (block.scales[r],)))])
 
 
 def encode_pages(keys: Sequence[BlockKey], layout: KVLayout, payloads: RankPayloads) -> list[np.ndarray]:

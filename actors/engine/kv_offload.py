@@ -33,7 +33,8 @@ from actors.kv_store import RayBlockStore
 from actors.load.model_cache import cache_dir
 from actors.log import get_logger
 from kvcache.kv_blocks import BlockKey, block_keys, block_salt
-from kvcache.kv_tiers import KVOffloadConfig, TieredKV
+from kvcache.kv_offload_config import KVOffloadConfig
+from kvcache.kv_tiers import TieredKV
 from kvcache.kv_transfer import KVLayout, RankPayloads
 from scheduling.kv_tiers import TierHit
 from scheduling.request import Request, RequestStatus
@@ -139,11 +140,11 @@ class KVOffload:
             self.tiers.save_many(groups)
 
     def wait_for_saves(self, timeout_s: float = 60.0) -> None:
-        """Block until every save handed over so far is filed (tests; a bench between phases)."""
+        """Block until every save handed over so far is filed (what the tests wait on)."""
         self._saver.submit(_nothing).result(timeout_s)
 
     def keys_for(self, namespace: str | None, token_ids: list[int]) -> list[BlockKey]:
-        """The block keys of ``token_ids``' full pages in ``namespace``."""
+        """The block keys of ``token_ids``' full pages in ``namespace`` (tests forge blocks under them)."""
         return block_keys(self._salt(namespace), token_ids, len(token_ids) // self.page_size, self.page_size)
 
     # ------------------------------------------------------------------ loads
@@ -156,7 +157,7 @@ class KVOffload:
         if matched >= num_blocks:
             return
         keys = block_keys(self._salt(req.cache_namespace), req.all_token_ids, num_blocks, ps)[matched:]
-        if not self.tiers.may_hold(keys[0]):
+        if not self.tiers.known(keys[0]):  # no tier holds its first block, as far as this process knows
             return
         future = self._loader.submit(lambda: self.tiers.fetch(keys))
         future.add_done_callback(lambda _: self.wake())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -80,8 +81,18 @@ def test_bad_specs_are_refused_before_compiling() -> None:
     assert info.value.param == "ignore_eos"
 
 
-def test_a_compile_past_the_time_bound_is_refused(compiler: GrammarCompiler) -> None:
-    slow = GrammarCompiler(TOKENIZER, VOCAB, EOS, timeout_s=1e-9)
+def test_a_compile_past_the_time_bound_is_refused(compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = GrammarCompiler(TOKENIZER, VOCAB, EOS, timeout_s=0.05)
+    # Every compile waits for the gate, so none can finish inside the bound however the threads are
+    # scheduled (a bound of 1e-9 s alone lost the race to a fast compile on a busy machine).
+    gate = threading.Event()
+    compile_now = slow._compile
+
+    def gated(kind: str, spec: str) -> object:
+        gate.wait(30.0)
+        return compile_now(kind, spec)
+
+    monkeypatch.setattr(slow, "_compile", gated)
     spec = StructuredOutput.json_schema({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40)}},
                                         param="response_format")
     with pytest.raises(InvalidParameterError, match="did not compile within") as info:
@@ -89,6 +100,7 @@ def test_a_compile_past_the_time_bound_is_refused(compiler: GrammarCompiler) -> 
     assert info.value.param == "response_format"
     with pytest.raises(InvalidParameterError, match="did not compile within"):
         asyncio.run(slow.compile_async(StructuredOutput.regex("[a-z]{1,500}x")))
+    gate.set()
     slow.shutdown()
 
 

@@ -12,11 +12,15 @@ and ``get_gemv`` the float32 product of one or two rows that
 both built into the same module. It is
 built with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ``ninja``) into
-``$FLOTILLA_CACHE_DIR/torch_extensions/<machine key>``, so a machine builds it
-once (tens of seconds) and later processes only load it. The machine key
-hashes the CPU model and flags (the build uses ``-march=native``), torch and
-Python versions, so a cache shared between different hosts never hands one a
-binary built for another.
+``$FLOTILLA_CACHE_DIR/torch_extensions/<variant>_v<ABI_VERSION>_<machine key>``,
+so a machine builds it once (tens of seconds) and later processes only load
+it. The machine key hashes the CPU model and flags (the build uses
+``-march=native``), torch and Python versions, so a cache shared between
+different hosts never hands one a binary built for another. Within a
+directory ninja rebuilds what changed sources make stale, by file times;
+``ABI_VERSION`` names the ops' signatures, so a binary cached by an older
+checkout (a shared cache, a source older than its build) is never loaded
+by callers passing arguments it lacks.
 
 Nothing here may stop the engine: if the build or the load fails for any
 reason, one warning goes to the ``flotilla.kvcache`` logger and callers get
@@ -49,10 +53,12 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"  # holds 
 QUANT_GEMM_SOURCE = SOURCE.with_name("quant_gemm.cpp")
 GEMV_SOURCE = SOURCE.with_name("gemv.cpp")
 _BASE_CFLAGS = ["-O3", "-fopenmp"]
+# Bumped whenever an op's Python signature changes (2: paged_decode's `window`).
+ABI_VERSION = 2
 # Tried in order; the first that builds and loads wins.
 _VARIANTS: list[tuple[str, list[str]]] = [("native", ["-march=native"]), ("generic", [])]
 
-# (out, q, k_cache, v_cache, page_table, context_lens, scale, k_scales, v_scales)
+# (out, q, k_cache, v_cache, page_table, context_lens, scale, k_scales, v_scales, window)
 PagedDecode = Callable[..., None]
 # (k, v, slots, k_cache, v_cache, k_scales, v_scales)
 QuantizeWrite = Callable[..., None]
@@ -87,7 +93,7 @@ def _machine_key() -> str:
 
 def build_dir(variant: str) -> Path:
     """Where ``variant`` of the extension is built and cached on this machine."""
-    return cache_dir() / "torch_extensions" / f"paged_decode_{variant}_{_machine_key()}"
+    return cache_dir() / "torch_extensions" / f"paged_decode_{variant}_v{ABI_VERSION}_{_machine_key()}"
 
 
 @contextlib.contextmanager
@@ -222,11 +228,13 @@ def get_paged_decode(
     None unless ``supports(device, dtype, head_dim, cache_dtype)``, the
     kernels are enabled and the extension builds (the first call in a process
     may build it). The op's arguments are ``(out, q, k_cache, v_cache,
-    page_table, context_lens, scale, k_scales=None, v_scales=None)``: out and
-    q ``(B, H, D)`` (last dim contiguous), caches ``(P, page, KVH, D)``
-    contiguous, page_table ``(B, max_pages)`` and context_lens ``(B,)``
-    int32/int64, and for quantized caches the bfloat16 scales
-    ``(P, page, KVH)``; it writes ``out`` in place.
+    page_table, context_lens, scale, k_scales=None, v_scales=None,
+    window=0)``: out and q ``(B, H, D)`` (last dim contiguous), caches
+    ``(P, page, KVH, D)`` contiguous, page_table ``(B, max_pages)`` and
+    context_lens ``(B,)`` int32/int64, for quantized caches the bfloat16
+    scales ``(P, page, KVH)``, and ``window`` a sliding window (keys each
+    query sees, itself included; 0: all), whose earlier pages are not read;
+    it writes ``out`` in place.
     """
     if not supports(device, dtype, head_dim, cache_dtype):
         return None

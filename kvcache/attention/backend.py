@@ -12,6 +12,14 @@ over those buffers alone, so a graph captured over ``forward`` replays
 correctly for every later plan of its size. A backend that cannot
 (``supports_static_decode`` False) raises ``NotImplementedError``, and
 ``EngineConfig`` refuses ``cuda_graphs`` with it by name first.
+
+Sliding windows (Mistral, Gemma 2/3, Phi-3, Qwen2/3 with
+``use_sliding_window``): every backend takes ``sliding_windows``, one entry
+per pool layer (``metadata.check_sliding_windows``). Layer ``l`` with window
+``w`` lets a query at position ``p`` see the keys at positions ``k`` with
+``p - w < k <= p``: ``w`` keys, itself included, Hugging Face's rule
+(``metadata.window_start``). ``None`` (a layer's entry, or the whole
+argument) is plain causal attention.
 """
 
 from __future__ import annotations

@@ -26,6 +26,19 @@ reads them from there, so a captured ``forward`` serves every later plan
 of the same size. Padding rows are one-token sequences on the pool's pad
 page (``KVPool.pad_page_id``): they write there and attend to that slot only.
 
+Sliding windows (``sliding_windows``; the rule is in ``backend``):
+FlashInfer fixes ``window_left`` (``w - 1``; -1 for none) when a wrapper is
+planned, so every distinct window of the layers gets its own prefill and
+decode wrapper (and its own static decode wrapper per batch size), each
+planned every step over the same index arrays, and a layer runs its
+window's. They all share the one workspace: it holds a run's split-k
+partials, and the runs of one step are queued on one stream one after the
+other, as vLLM's and SGLang's per-window wrappers share theirs; each
+wrapper keeps its plan in its own int workspace. Static wrappers of one
+batch size share that size's index buffers: every plan writes them the same
+arrays. The softmax scale (``scale``, Gemma 3's ``query_pre_attn_scalar **
+-0.5`` for one) reaches every plan as ``sm_scale``.
+
 Every optional ``plan`` argument is passed by keyword: FlashInfer 0.6.0
 inserted ``o_data_type`` among the positional ones.
 
@@ -58,6 +71,7 @@ from kvcache.attention.metadata import (
     build_flashinfer_indices,
     build_slot_mapping,
     check_layout,
+    check_sliding_windows,
     num_pages_for,
 )
 from kvcache.errors import CacheConfigError
@@ -79,7 +93,7 @@ class PrefillWrapper(Protocol):
     def plan(
         self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
         paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
-        page_size: int, /, *, causal: bool, pos_encoding_mode: str, sm_scale: float,
+        page_size: int, /, *, causal: bool, pos_encoding_mode: str, window_left: int, sm_scale: float,
         q_data_type: torch.dtype, kv_data_type: torch.dtype, o_data_type: torch.dtype, non_blocking: bool,
     ) -> None: ...  # fmt: skip
 
@@ -95,8 +109,8 @@ class DecodeWrapper(Protocol):
     def plan(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
         num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, /, *,
-        pos_encoding_mode: str, sm_scale: float, q_data_type: torch.dtype, kv_data_type: torch.dtype,
-        o_data_type: torch.dtype, non_blocking: bool,
+        pos_encoding_mode: str, window_left: int, sm_scale: float, q_data_type: torch.dtype,
+        kv_data_type: torch.dtype, o_data_type: torch.dtype, non_blocking: bool,
     ) -> None: ...  # fmt: skip
 
     def run(
@@ -196,7 +210,13 @@ class FlashInferPagedAttention(AttentionBackend):
 
     ``kernels`` is the ``flashinfer`` module or an emulation of it. ``scale``
     defaults to ``1 / sqrt(head_dim)``; ``workspace_bytes`` to FlashInfer's
-    recommended ``WORKSPACE_BYTES``.
+    recommended ``WORKSPACE_BYTES``. ``sliding_windows``: one window (or None)
+    per pool layer, None for none anywhere (``metadata.check_sliding_windows``).
+
+    Wrappers, keyed by ``window_left``: ``prefill_wrappers``,
+    ``decode_wrappers`` and, once ``enable_static_decode`` ran,
+    ``static_decode_wrappers`` (then by batch size). ``prefill``, ``decode``
+    and ``static_decode`` are layer 0's (every layer's, without windows).
     """
 
     def __init__(
@@ -209,6 +229,7 @@ class FlashInferPagedAttention(AttentionBackend):
         head_dim: int,
         scale: float | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
+        sliding_windows: Sequence[int | None] | None = None,
     ) -> None:
         if num_kv_heads != pool.num_kv_heads or head_dim != pool.head_dim:
             raise ValueError(
@@ -218,6 +239,10 @@ class FlashInferPagedAttention(AttentionBackend):
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         check_flashinfer_settings(device=pool.device, dtype=pool.dtype, kv_dtype=pool.kv_dtype, kernels_given=True)
+        self.sliding_windows = check_sliding_windows(sliding_windows, pool.num_layers)
+        # FlashInfer's spelling of each layer's window, and the distinct ones (one set of wrappers each).
+        self.window_lefts = tuple(-1 if w is None else w - 1 for w in self.sliding_windows)
+        self._distinct_window_lefts = sorted(set(self.window_lefts))
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -227,11 +252,20 @@ class FlashInferPagedAttention(AttentionBackend):
         # FlashInfer asks for a zeroed workspace before its first use.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=pool.device)
         self._kernels = kernels
-        self.prefill = kernels.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
-        self.decode = kernels.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, kv_layout="NHD", use_tensor_cores=self.group_size >= TENSOR_CORE_GROUP_SIZE
-        )
-        # Static-shape decode, set up by enable_static_decode: one wrapper per batch size.
+        self.prefill_wrappers: dict[int, PrefillWrapper] = {
+            wl: kernels.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
+            for wl in self._distinct_window_lefts
+        }
+        self.decode_wrappers: dict[int, DecodeWrapper] = {
+            wl: kernels.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, kv_layout="NHD", use_tensor_cores=self.group_size >= TENSOR_CORE_GROUP_SIZE
+            )
+            for wl in self._distinct_window_lefts
+        }
+        self.prefill = self.prefill_wrappers[self.window_lefts[0]]
+        self.decode = self.decode_wrappers[self.window_lefts[0]]
+        # Static-shape decode, set up by enable_static_decode: one wrapper per window and batch size.
+        self.static_decode_wrappers: dict[int, dict[int, DecodeWrapper]] = {}
         self.static_decode: dict[int, DecodeWrapper] = {}
         self._static_slots: torch.Tensor | None = None
         self._max_pages_per_seq = 0
@@ -246,7 +280,8 @@ class FlashInferPagedAttention(AttentionBackend):
         self._pinned = pool.device.type == "cuda"
         self._num_tokens = 0
         self._slots: torch.Tensor | None = None
-        self._wrapper: PrefillWrapper | DecodeWrapper | None = None
+        # The step's planned wrapper of each window_left (empty until plan, and for an empty step).
+        self._planned: dict[int, PrefillWrapper | DecodeWrapper] = {}
 
     supports_static_decode = True
 
@@ -259,41 +294,44 @@ class FlashInferPagedAttention(AttentionBackend):
         page_size = self.pool.page_size
         check_layout(layout, page_size)
         self._num_tokens = sum(layout.query_lens)
-        self._wrapper = None
+        self._planned = {}
         if self._num_tokens == 0:  # nothing to attend: FlashInfer is not asked to plan a batch of 0
             self._slots = None
             return
         idx = {name: self._host(t) for name, t in build_flashinfer_indices(layout, page_size).items()}
         self._slots = self._host(build_slot_mapping(layout, page_size)).to(self.pool.device, non_blocking=True)
         if max(layout.query_lens) == 1:
-            self._plan_decode(self.decode, idx)
+            self._plan_decode(self.decode_wrappers, idx)
             return
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         dtype, kv_dtype = self.pool.dtype, self.pool.cache_dtype
-        self.prefill.plan(
-            idx["qo_indptr"], idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
-            h, kvh, d, page_size, causal=True, pos_encoding_mode="NONE", sm_scale=self.scale,
-            q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype, non_blocking=True,
-        )  # fmt: skip
-        self._wrapper = self.prefill
+        for wl, wrapper in self.prefill_wrappers.items():
+            wrapper.plan(
+                idx["qo_indptr"], idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
+                h, kvh, d, page_size, causal=True, pos_encoding_mode="NONE", window_left=wl, sm_scale=self.scale,
+                q_data_type=dtype, kv_data_type=kv_dtype, o_data_type=dtype, non_blocking=True,
+            )  # fmt: skip
+        self._planned = dict(self.prefill_wrappers)
 
-    def _plan_decode(self, wrapper: DecodeWrapper, idx: dict[str, torch.Tensor]) -> None:
-        """Plan ``wrapper`` (the dynamic or a static decode wrapper) from host index arrays."""
+    def _plan_decode(self, wrappers: dict[int, DecodeWrapper], idx: dict[str, torch.Tensor]) -> None:
+        """Plan ``wrappers`` (the dynamic or one size's static decode wrappers, by window_left) from host index arrays."""
         dtype = self.pool.dtype
-        wrapper.plan(
-            idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
-            self.num_heads, self.num_kv_heads, self.head_dim, self.pool.page_size, pos_encoding_mode="NONE",
-            sm_scale=self.scale, q_data_type=dtype, kv_data_type=self.pool.cache_dtype, o_data_type=dtype,
-            non_blocking=True,
-        )  # fmt: skip
-        self._wrapper = wrapper
+        for wl, wrapper in wrappers.items():
+            wrapper.plan(
+                idx["paged_kv_indptr"], idx["paged_kv_indices"], idx["paged_kv_last_page_len"],
+                self.num_heads, self.num_kv_heads, self.head_dim, self.pool.page_size, pos_encoding_mode="NONE",
+                window_left=wl, sm_scale=self.scale, q_data_type=dtype, kv_data_type=self.pool.cache_dtype,
+                o_data_type=dtype, non_blocking=True,
+            )  # fmt: skip
+        self._planned = dict(wrappers)
 
     def enable_static_decode(self, batch_sizes: Sequence[int], max_pages_per_seq: int) -> None:
-        """One ``use_cuda_graph`` decode wrapper per batch size, over slices of shared buffers.
+        """One ``use_cuda_graph`` decode wrapper per window and batch size, over slices of shared buffers.
 
         The buffers can be shared because one step runs at a time: a plan for
         one size overwrites what another size's graph would read, and a
-        graph is replayed only right after its own size's plan.
+        graph is replayed only right after its own size's plan (whose
+        wrappers, one per window, all write the same arrays).
         """
         if self.pool.pad_page_id is None:
             raise ValueError("static-shape decode needs a pool with a pad page (KVPool(pad_page=True))")
@@ -305,20 +343,25 @@ class FlashInferPagedAttention(AttentionBackend):
         last_page_len = torch.zeros(largest, dtype=torch.int32, device=dev)
         self._static_slots = torch.zeros(largest, dtype=torch.int64, device=dev)
         self._max_pages_per_seq = max_pages_per_seq
-        self.static_decode = {
-            size: self._kernels.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, kv_layout="NHD", use_tensor_cores=self.group_size >= TENSOR_CORE_GROUP_SIZE,
-                use_cuda_graph=True, paged_kv_indptr_buffer=indptr[: size + 1],
-                paged_kv_indices_buffer=indices[: size * max_pages_per_seq],
-                paged_kv_last_page_len_buffer=last_page_len[:size],
-            )  # fmt: skip
-            for size in sorted(set(batch_sizes))
+        self.static_decode_wrappers = {
+            wl: {
+                size: self._kernels.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, kv_layout="NHD", use_tensor_cores=self.group_size >= TENSOR_CORE_GROUP_SIZE,
+                    use_cuda_graph=True, paged_kv_indptr_buffer=indptr[: size + 1],
+                    paged_kv_indices_buffer=indices[: size * max_pages_per_seq],
+                    paged_kv_last_page_len_buffer=last_page_len[:size],
+                )  # fmt: skip
+                for size in sorted(set(batch_sizes))
+            }
+            for wl in self._distinct_window_lefts
         }
+        self.static_decode = self.static_decode_wrappers[self.window_lefts[0]]
 
     def plan_static_decode(self, batch_size: int, layout: StepLayout) -> None:
-        """Pad ``layout`` to ``batch_size`` one-token rows on the pad page and plan that size's wrapper."""
-        wrapper = self.static_decode.get(batch_size)
-        assert wrapper is not None and self._static_slots is not None, (
+        """Pad ``layout`` to ``batch_size`` one-token rows on the pad page and plan that size's wrappers."""
+        wrappers = {wl: by_size[batch_size] for wl, by_size in self.static_decode_wrappers.items()
+                    if batch_size in by_size}  # fmt: skip
+        assert wrappers and self._static_slots is not None, (
             f"no static decode of batch size {batch_size}: enabled for {sorted(self.static_decode)}"
         )
         n, pad_page, page_size = len(layout.query_lens), self.pool.pad_page_id, self.pool.page_size
@@ -336,12 +379,12 @@ class FlashInferPagedAttention(AttentionBackend):
         self._slots = self._static_slots[:batch_size]
         self._slots.copy_(self._host(build_slot_mapping(padded, page_size)), non_blocking=True)
         self._num_tokens = batch_size
-        self._plan_decode(wrapper, idx)
+        self._plan_decode(wrappers, idx)
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Write k/v into ``layer_id``'s pages, return causal attention (tokens, heads, dim).
+        """Write k/v into ``layer_id``'s pages, return its (windowed) causal attention (tokens, heads, dim).
 
         ``q``, ``k`` and ``v`` must be in the pool's model dtype.
         """
@@ -352,11 +395,12 @@ class FlashInferPagedAttention(AttentionBackend):
         )
         if self._num_tokens == 0:
             return q.new_empty(0, self.num_heads, self.head_dim)
-        assert self._wrapper is not None and self._slots is not None, "plan() must run before forward()"
+        assert self._planned and self._slots is not None, "plan() must run before forward()"
         self._write(layer_id, k, v, self._slots)
         if q.stride(-1) != 1:  # the kernels take strided tokens and heads, not a strided head_dim
             q = q.contiguous()
-        return self._wrapper.run(q, self._caches[layer_id], k_scale=self._kv_scale, v_scale=self._kv_scale)
+        wrapper = self._planned[self.window_lefts[layer_id]]
+        return wrapper.run(q, self._caches[layer_id], k_scale=self._kv_scale, v_scale=self._kv_scale)
 
     def _write(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store the step's k and v at their slots (as fp8 with ``FP8_KV_SCALE`` in an fp8 pool)."""

@@ -21,6 +21,53 @@ from kvcache.attention.backend import StepLayout
 from kvcache.device_copy import as_device_tensor
 
 
+def check_sliding_windows(
+    sliding_windows: Sequence[int | None] | None, num_layers: int
+) -> tuple[int | None, ...]:
+    """A backend's ``sliding_windows`` argument as one entry per layer (all None for None).
+
+    The windows' meaning is ``backend``'s (module docstring); ``window_start``
+    applies it.
+
+    Raises:
+        ValueError: the sequence's length is not ``num_layers`` (the pool's
+            layer count), or an entry is neither None nor an int >= 1.
+    """
+    if sliding_windows is None:
+        return (None,) * num_layers
+    if isinstance(sliding_windows, (str, bytes)):  # a str is a Sequence, of characters
+        raise ValueError(f"sliding_windows must be a sequence of ints or None, got {sliding_windows!r}")
+    windows = tuple(sliding_windows)
+    if len(windows) != num_layers:
+        raise ValueError(
+            f"sliding_windows has {len(windows)} entries, the pool has {num_layers} layers: "
+            f"give one window (or None) per layer"
+        )
+    for layer, w in enumerate(windows):
+        # bool is an int subclass: True would read as a window of 1.
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_windows[{layer}] = {w!r}: a window must be an int >= 1 or None")
+    return windows
+
+
+def window_start(position: int, window: int | None) -> int:
+    """First key position a query at ``position`` sees under ``window`` (None: 0, plain causal).
+
+    ``backend``'s rule (module docstring) as code; the query sees the keys
+    ``window_start(p, w) .. p``.
+    """
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def window_hides_keys(context_len: int, window: int | None) -> bool:
+    """Whether ``window`` hides a key from some query of a sequence of ``context_len`` tokens.
+
+    Its last query (position ``context_len - 1``) sees the most keys, so the
+    window matters exactly when that one starts past position 0.
+    """
+    return window_start(context_len - 1, window) > 0
+
+
 def num_pages_for(num_tokens: int, page_size: int) -> int:
     """Pages needed to hold ``num_tokens`` tokens."""
     return -(-num_tokens // page_size)
@@ -130,6 +177,11 @@ class AttentionGroup:
             each query row repeated ``group_size`` times (GQA folding), or
             (num_seqs, 1, 1, max_context_len) for decode groups, or None when
             nothing needs masking (decode with equal contexts, or ``causal``).
+        window_masks: for each sliding window that hides a key of this group
+            (``window_hides_keys`` of its longest context), ``mask`` of a layer
+            with that window, same shape and dtype (never None, and used
+            instead of ``causal``); a window absent here hides nothing, so its
+            layers take ``mask`` / ``causal`` as they are.
     """
 
     seq_ids: list[int]
@@ -143,6 +195,7 @@ class AttentionGroup:
     token_index: torch.Tensor | None
     causal: bool
     mask: torch.Tensor | None
+    window_masks: dict[int, torch.Tensor]
 
 
 def token_starts(query_lens: Sequence[int]) -> list[int]:
@@ -163,6 +216,7 @@ def build_attention_group(
     device: torch.device | str = "cpu",
     starts: list[int] | None = None,
     mask_dtype: torch.dtype = torch.bool,
+    windows: Sequence[int] = (),
 ) -> AttentionGroup:
     """Index tensors for the padded attention call over ``seq_ids`` (ascending).
 
@@ -172,6 +226,8 @@ def build_attention_group(
     groups are built for one step. ``mask_dtype`` other than bool gives an
     additive mask (0 / -inf) in that dtype: SDPA converts a bool mask on every
     call, which costs more than the attention itself for prefill on CPU.
+    ``windows``: the distinct sliding windows of the backend's layers; each
+    that hides a key here gets its mask in ``window_masks``.
     """
     qlens = [layout.query_lens[s] for s in seq_ids]
     ctxs = [layout.context_lens[s] for s in seq_ids]
@@ -215,24 +271,46 @@ def build_attention_group(
     # tensors): a mask reaches max_query_len * group_size * max_context_len
     # elements per sequence, too much to build on the host and copy.
     mask: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = {}
+    # A window no context here exceeds changes nothing: those layers share ``mask``.
+    biting = [w for w in windows if window_hides_keys(max_c, w)]
     causal = max_q > 1 and all(q == max_q for q in qlens) and all(c == max_q for c in ctxs)
-    if causal:
-        pass
-    elif max_q == 1:
-        if any(c != max_c for c in ctxs):  # decode: hide each sequence's padding keys
+    if max_q == 1:
+        padded_keys = any(c != max_c for c in ctxs)
+        if padded_keys or biting:
             ctx_t = as_index(ctxs)
-            mask = (torch.arange(max_c, device=dev)[None, :] < ctx_t[:, None]).view(n, 1, 1, max_c)
-    else:
+            keys = torch.arange(max_c, device=dev)[None, :]
+            seen = keys < ctx_t[:, None]  # decode: hide each sequence's padding keys
+            if padded_keys:
+                mask = seen.view(n, 1, 1, max_c)
+            for w in biting:  # and the keys before its window (the query sits at ctx - 1)
+                window_masks[w] = (seen & (keys >= (ctx_t - w)[:, None])).view(n, 1, 1, max_c)
+    elif not causal or biting:
         ctx_t, qlen_t = as_index(ctxs), as_index(qlens)
         # Row i's position; padded rows clamp to the last real row (finite, dropped).
         rows = torch.minimum(torch.arange(max_q, device=dev)[None, :], (qlen_t - 1)[:, None])
         qpos = ctx_t[:, None] - qlen_t[:, None] + rows  # (n, max_q)
-        allowed = torch.arange(max_c, device=dev)[None, None, :] <= qpos[:, :, None]  # (n, max_q, max_c)
-        if group_size > 1:
-            allowed = allowed.repeat_interleave(group_size, dim=1)
-        mask = allowed.unsqueeze(1)
-    if mask is not None and mask_dtype != torch.bool:
-        mask = torch.zeros(mask.shape, dtype=mask_dtype, device=dev).masked_fill_(~mask, float("-inf"))
+
+        def fold(allowed: torch.Tensor) -> torch.Tensor:
+            """(n, max_q, max_c) -> (n, 1, max_q * group_size, max_c), rows repeated per query head."""
+            if group_size > 1:
+                allowed = allowed.repeat_interleave(group_size, dim=1)
+            return allowed.unsqueeze(1)
+
+        if not causal:  # a causal group's unwindowed layers need no mask at all
+            mask = fold(torch.arange(max_c, device=dev)[None, None, :] <= qpos[:, :, None])
+        if biting:
+            behind = qpos[:, :, None] - torch.arange(max_c, device=dev)[None, None, :]  # p - k
+            for w in biting:
+                window_masks[w] = fold((behind >= 0) & (behind < w))
+
+    def additive(m: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(m.shape, dtype=mask_dtype, device=dev).masked_fill_(~m, float("-inf"))
+
+    if mask_dtype != torch.bool:
+        if mask is not None:
+            mask = additive(mask)
+        window_masks = {w: additive(m) for w, m in window_masks.items()}
 
     return AttentionGroup(
         seq_ids=list(seq_ids),
@@ -246,6 +324,7 @@ def build_attention_group(
         token_index=token_index,
         causal=causal,
         mask=mask,
+        window_masks=window_masks,
     )
 
 

@@ -35,11 +35,20 @@ token's k and v per kv head (the native ``quantize_write`` on the CPU, else
 quantized pages and their scales and dequantizes into the model dtype before
 SDPA, and the native decode kernel reads the quantized pages in place,
 applying each row's scale to its scores and probabilities.
+
+Sliding windows (``sliding_windows``; the rule is in ``backend``): ``plan``
+builds, per group, one more mask per distinct window that hides a key of
+that group (``AttentionGroup.window_masks``), and a windowed layer's
+``forward`` picks it; a window longer than every context of a group costs
+nothing and its layers share the group's plain mask or causal path. The
+native decode kernel takes the layer's window and starts its page walk at
+the window's first key.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +60,7 @@ from kvcache.attention.metadata import (
     build_attention_group,
     build_slot_mapping,
     check_layout,
+    check_sliding_windows,
     num_pages_for,
     partition_sequences,
     token_starts,
@@ -110,9 +120,11 @@ class TorchPagedAttention(AttentionBackend):
 
     One instance serves all layers; ``plan`` must be called once per step
     before the layers' ``forward`` calls. ``scale`` defaults to
-    ``1 / sqrt(head_dim)``. Whether decodes use the native CPU kernel is
-    decided once, here (``cpu_kernels.get_paged_decode``; the first backend
-    of a process may build it).
+    ``1 / sqrt(head_dim)``. ``sliding_windows``: one window (or None) per
+    pool layer, None for none anywhere (``metadata.check_sliding_windows``).
+    Whether decodes use the native CPU kernel is decided once, here
+    (``cpu_kernels.get_paged_decode``; the first backend of a process may
+    build it).
     """
 
     def __init__(
@@ -123,6 +135,7 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         scale: float | None = None,
+        sliding_windows: Sequence[int | None] | None = None,
     ) -> None:
         if num_kv_heads != pool.num_kv_heads or head_dim != pool.head_dim:
             raise ValueError(
@@ -133,6 +146,10 @@ class TorchPagedAttention(AttentionBackend):
             raise ValueError(
                 f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
             )
+        self.sliding_windows = check_sliding_windows(sliding_windows, pool.num_layers)
+        # The windows plan builds masks for, and each layer's as the kernel takes it (0: none).
+        self._windows = sorted({w for w in self.sliding_windows if w is not None})
+        self._kernel_windows = [0 if w is None else w for w in self.sliding_windows]
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -188,6 +205,7 @@ class TorchPagedAttention(AttentionBackend):
                 device,
                 starts,
                 self.pool.dtype,
+                self._windows,
             )
             for part in partition
         ]
@@ -219,14 +237,15 @@ class TorchPagedAttention(AttentionBackend):
         )
         self._write(layer_id, k, v, plan.slot_mapping)
         groups, decode = plan.groups, plan.decode
+        window = self.sliding_windows[layer_id]
         if decode is None and len(groups) == 1:
-            return self._attend(layer_id, q, groups[0])
+            return self._attend(layer_id, q, groups[0], window)
         if decode is not None and decode.token_index is None:
             return self._decode(layer_id, q, decode)  # decode-only step
         out = q.new_empty(plan.num_tokens, self.num_heads, self.head_dim)
         for group in groups:
             assert group.token_index is not None
-            out.index_copy_(0, group.token_index, self._attend(layer_id, q, group))
+            out.index_copy_(0, group.token_index, self._attend(layer_id, q, group, window))
         if decode is not None:
             assert decode.token_index is not None
             out.index_copy_(0, decode.token_index, self._decode(layer_id, q, decode))
@@ -273,6 +292,7 @@ class TorchPagedAttention(AttentionBackend):
             self.scale,
             k_scales,
             v_scales,
+            self._kernel_windows[layer_id],
         )
         return out
 
@@ -289,8 +309,10 @@ class TorchPagedAttention(AttentionBackend):
         out.copy_(cache.view(torch.uint8).index_select(0, pages).view(cache.dtype))
         return out.mul_(scales.index_select(0, pages).unsqueeze(-1))
 
-    def _attend(self, layer_id: int, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
-        """One padded SDPA over group ``g``; returns its real rows (tokens, heads, dim)."""
+    def _attend(
+        self, layer_id: int, q: torch.Tensor, g: AttentionGroup, window: int | None
+    ) -> torch.Tensor:
+        """One padded SDPA over group ``g`` for a layer with ``window``; its real rows (tokens, heads, dim)."""
         n, max_q, hd = g.num_seqs, g.max_query_len, self.head_dim
         kvh, gs = self.num_kv_heads, self.group_size
         span = g.pages_per_seq * self.pool.page_size
@@ -303,7 +325,9 @@ class TorchPagedAttention(AttentionBackend):
         kg = kg.view(n, span, kvh, hd)[:, : g.max_context_len].transpose(1, 2)
         vg = vg.view(n, span, kvh, hd)[:, : g.max_context_len].transpose(1, 2)
         qg = q if g.q_index is None else q.index_select(0, g.q_index)
-        if g.causal:
+        # The window's own mask where it hides a key of this group, else the plain one.
+        mask = g.mask if window is None else g.window_masks.get(window, g.mask)
+        if g.causal and mask is None:
             assert g.out_rows is None  # equal lengths: nothing padded
             # Fresh equal-length prompts: positions equal row indices, so
             # SDPA's top-left causal flag is exact and no mask is read.
@@ -315,7 +339,7 @@ class TorchPagedAttention(AttentionBackend):
         # (n*max_q, heads, hd) -> (n, kvh, max_q*gs, hd); head h = kv head h // gs.
         # A view when max_q == 1, one small copy otherwise.
         qg = qg.view(n, max_q, kvh, gs, hd).transpose(1, 2).reshape(n, kvh, max_q * gs, hd)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale)
         out = out.view(n, kvh, max_q, gs, hd).transpose(1, 2).reshape(n * max_q, self.num_heads, hd)
         if g.out_rows is not None:
             out = out.index_select(0, g.out_rows)

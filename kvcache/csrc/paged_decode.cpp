@@ -11,6 +11,11 @@
 // Vectors are GCC vector extensions of 8 floats (AVX registers under
 // -march=native, SSE or NEON pairs otherwise): head_dim % 8 == 0, <= 256.
 //
+// Sliding window (`window` > 0): the query, at position ctx - 1, sees the last
+// `window` keys only (kvcache/attention/backend.py states the rule), so the
+// page walk starts at token max(0, ctx - window): pages before it are neither
+// read nor checked.
+//
 // Quantized pools (int8 or fp8 e4m3 pages, one bf16 scale per token and kv
 // head): rows are converted to fp32 as they are loaded, the K scale of a row
 // multiplies its score (a dot product is linear in the row) and the V scale
@@ -136,6 +141,11 @@ inline v8f exp8(v8f x) {
   return y * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
+// First token that the query of a sequence of `ctx` tokens sees under `window` (0: none).
+inline int64_t first_key(int64_t ctx, int64_t window) {
+  return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 struct Problem {
   const void *q, *k, *v;
   void* out;
@@ -144,6 +154,7 @@ struct Problem {
   int64_t q_stride0, q_stride1, out_stride0, out_stride1, pt_stride0;
   int64_t page_size, num_kv_heads, group_size, head_dim;
   float scale;
+  int64_t window;  // keys a query sees, itself included; 0: all of them
 
   // Floats of scratch for an item over `kv_heads` kv heads: q and acc
   // (heads, D), scores (heads, kBlock), running max and sum (heads,).
@@ -248,8 +259,10 @@ void decode_item(const Problem& p, int64_t b, int64_t kv0, int64_t kv1, float* w
   const C* kbase = static_cast<const C*>(p.k) + kv0 * D;
   const C* vbase = static_cast<const C*>(p.v) + kv0 * D;
   const C *krow[kBlock], *vrow[kBlock];
-  int64_t page_idx = 0, offset = 0;  // the next token's place, walked without division
-  for (int64_t t0 = 0; t0 < ctx; t0 += kBlock) {
+  // The next token's place: the window's first token, then walked without division.
+  const int64_t first = first_key(ctx, p.window);
+  int64_t page_idx = first / p.page_size, offset = first % p.page_size;
+  for (int64_t t0 = first; t0 < ctx; t0 += kBlock) {
     const int64_t n = std::min(kBlock, ctx - t0);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t slot = static_cast<int64_t>(pages[page_idx]) * p.page_size + offset;
@@ -364,13 +377,16 @@ void quantize_write_impl(const torch::Tensor& k, const torch::Tensor& v, const i
 // (P, page, KVH, D) contiguous; page_table: (B, max_pages) and context_lens:
 // (B,), int32 or int64, each context in [1, max_pages * page]. Head h uses
 // kv head h / (H / KVH). Every index is checked before any is followed.
+// window >= 0: keys a query sees (0: all); page_table entries of pages wholly
+// before a sequence's window are never read, so they may hold anything.
 // Quantized pools: k_cache/v_cache int8 or float8_e4m3fn and k_scales/v_scales
 // (P, page, KVH) bfloat16; otherwise the caches are in q's dtype and the
 // scales None.
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor page_table,
                   torch::Tensor context_lens, double scale,
-                  c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
+                  c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales,
+                  int64_t window) {
   const auto dtype = q.scalar_type();
   const auto cache = k_cache.scalar_type();
   const bool quant = cache == at::kChar || cache == at::kFloat8_e4m3fn;
@@ -404,6 +420,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == B && context_lens.dim() == 1 &&
                   context_lens.size(0) == B,
               "paged_decode: page_table must be (B, max_pages) and context_lens (B,)");
+  TORCH_CHECK(window >= 0, "paged_decode: window must be >= 0 (0: no window), got ", window);
   if (B == 0 || H == 0) return;
   const auto pt = page_table.to(at::kInt).contiguous();
   const auto ctx = context_lens.to(at::kInt).contiguous();
@@ -414,7 +431,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
     const int64_t c = ctx_data[b];
     TORCH_CHECK(c >= 1 && c <= max_pages * page, "paged_decode: context_lens[", b, "] = ", c,
                 " outside [1, ", max_pages * page, "]");
-    for (int64_t j = 0; j < (c + page - 1) / page; ++j)
+    for (int64_t j = first_key(c, window) / page; j < (c + page - 1) / page; ++j)
       TORCH_CHECK(pt_data[b * max_pages + j] >= 0 && pt_data[b * max_pages + j] < P,
                   "paged_decode: page_table[", b, "][", j, "] = ", pt_data[b * max_pages + j],
                   " outside [0, ", P, ")");
@@ -423,7 +440,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   const auto* vsd = quant ? static_cast<const c10::BFloat16*>(v_scales->data_ptr()) : nullptr;
   const Problem p{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ksd, vsd,
                   pt_data, ctx_data, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                  max_pages, page, KVH, H / KVH, D, static_cast<float>(scale)};
+                  max_pages, page, KVH, H / KVH, D, static_cast<float>(scale), window};
   dtype == at::kFloat ? dispatch_cache<float>(p, B, cache) : dispatch_cache<c10::BFloat16>(p, B, cache);
 }
 
@@ -477,7 +494,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention into out, in place",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"),
         py::arg("context_lens"), py::arg("scale"), py::arg("k_scales") = py::none(),
-        py::arg("v_scales") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("v_scales") = py::none(), py::arg("window") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("quantize_write", &quantize_write, "Quantize k and v per token and head into their slots",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, "out = x @ (q * scales per group)^T, float32", py::call_guard<py::gil_scoped_release>());

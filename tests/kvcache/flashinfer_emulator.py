@@ -18,6 +18,11 @@ KV-cache layout tutorial and the wrappers' docstrings):
 - ``causal`` is aligned bottom-right: query ``t`` of a request with ``qo_len``
   queries over ``kv_len`` keys sees keys ``j <= kv_len - qo_len + t``. A decode
   query sees all of its request's keys.
+- ``window_left`` (``plan``'s; -1 = none) is a sliding window on the left, with
+  or without ``causal``: query ``t``, at position ``kv_len - qo_len + t``, sees
+  keys ``j >= kv_len - qo_len + t - window_left`` (the decode query, at
+  ``kv_len - 1``, the last ``window_left + 1``). ``run``'s ``window_left``, when
+  given, must be the planned one.
 - GQA: query head ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)``.
 - Logits are ``q . k * sm_scale * k_scale`` (``sm_scale`` defaults to
   ``1 / sqrt(head_dim)``), the output is multiplied by ``v_scale``; computed in
@@ -39,7 +44,7 @@ Deliberately stricter: optional ``plan`` arguments are keyword-only (FlashInfer
 0.6.0 inserted ``o_data_type`` among the positional ones, so callers must
 not rely on positions); index arrays must be int32 (FlashInfer's docs: int64
 indexes wrongly) and consistent; features flotilla does not use (custom
-masks, in-kernel RoPE, windows, soft caps, the prefill wrapper's CUDA graphs,
+masks, in-kernel RoPE, soft caps, the prefill wrapper's CUDA graphs,
 HND, ``return_lse``, fp8 queries) raise NotImplementedError rather than
 being approximated.
 Deliberately wider: float32 is accepted (FlashInfer's kernels take float16 /
@@ -103,8 +108,9 @@ def _make_plan(
     kv_indptr = _ints("paged_kv_indptr", kv_indptr_t)
     indices = _ints("paged_kv_indices", indices_t)
     last = _ints("paged_kv_last_page_len", last_t)
-    _unsupported(pos_encoding_mode=pos_encoding_mode != "NONE", logits_soft_cap=bool(logits_soft_cap),
-                 window_left=window_left != -1)
+    _unsupported(pos_encoding_mode=pos_encoding_mode != "NONE", logits_soft_cap=bool(logits_soft_cap))
+    if window_left < -1:
+        raise ValueError(f"window_left must be -1 (no window) or >= 0, got {window_left}")
     batch = len(last)
     if len(qo_indptr) != batch + 1 or len(kv_indptr) != batch + 1:
         raise ValueError(f"indptr arrays need batch_size + 1 = {batch + 1} entries")
@@ -174,9 +180,12 @@ def _attend(
 
         k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * plan.sm_scale
+        qpos = torch.arange(q1 - q0, device=q.device)[:, None] + (kv_len - (q1 - q0))
+        keys = torch.arange(kv_len, device=q.device)[None, :]
         if plan.causal:
-            qpos = torch.arange(q1 - q0, device=q.device)[:, None] + (kv_len - (q1 - q0))
-            scores = scores.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > qpos, float("-inf"))
+            scores = scores.masked_fill(keys > qpos, float("-inf"))
+        if plan.window_left >= 0:
+            scores = scores.masked_fill(keys < qpos - plan.window_left, float("-inf"))
         result[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(plan.o_dtype)
     return result
 

@@ -82,6 +82,11 @@ class EngineConfig:
     ``kv_offload``: the KV tiers below the pool (``kvcache.kv_offload_config.KVOffloadConfig``:
     host memory, local disk, the cluster store; a dict or its JSON text),
     with prefix caching only; None: off.
+    ``expert_parallel``: in a mixture-of-experts model, each of the
+    ``tensor_parallel_size`` shards holds a slice of the experts whole
+    (``actors.models.moe``) instead of a slice of every expert (the
+    default); attention stays tensor-parallel either way. Refused for a
+    dense model when the model loads.
     Errors name the parameter and, where two settings disagree, both values.
     """
 
@@ -114,6 +119,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     kv_offload: KVOffloadConfig | None = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

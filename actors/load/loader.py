@@ -35,7 +35,7 @@ from actors.load.presets import PRESETS, ensure_preset
 from actors.load.quant import compressed_tensors
 from actors.load.quant.plan import QuantPlan, resolve_plan
 from actors.log import get_logger
-from actors.models.llama import LlamaForCausalLM
+from actors.models.decoder import CausalLM
 from actors.models.quant_linear import Int4Codes, Int8Blocks
 from actors.models.registry import resolve_architecture
 from scheduling.errors import InvalidParameterError
@@ -62,7 +62,7 @@ class LoadedModel:
     e.g. ``float32`` or ``int4, group 32, ...``.
     """
 
-    model: LlamaForCausalLM
+    model: CausalLM
     hf_config: PretrainedConfig
     path: Path
     weight_bytes: int
@@ -175,6 +175,7 @@ def load_model(
     progress: bool | None = None,
     quantization: str | None = None,
     quantization_group_size: int | None = None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Build ``model``'s tensor-parallel shard ``rank`` of ``world_size`` and load its weights.
 
@@ -185,7 +186,8 @@ def load_model(
     quantized layers keep no float weight. Raises ``UnsupportedModelError`` or
     ``ModelNotFoundError`` (``param="model"``), and ``InvalidParameterError``
     naming ``quantization``/``quantization_group_size`` for combinations that
-    cannot load.
+    cannot load. ``expert_parallel`` spreads an MoE model's experts whole over
+    the ranks (``EngineConfig.expert_parallel``).
     """
     path = resolve_model_path(model)
     config_file = path / "config.json"
@@ -197,7 +199,9 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     files = checkpoint_files(path)
     with torch.device(device), _default_dtype(dtype):
-        llm = cls(hf_config, max_model_len=max_model_len, tp_rank=rank, tp_size=world_size)
+        llm = cls(
+            hf_config, max_model_len=max_model_len, tp_rank=rank, tp_size=world_size, expert_parallel=expert_parallel
+        )
     plan.check_model(llm)
     with torch.no_grad():
         llm.load_weights(_weights(plan, files, llm, progress))
@@ -211,7 +215,7 @@ def load_model(
 
 
 def _weights(
-    plan: QuantPlan, files: list[Path], llm: LlamaForCausalLM, progress: bool | None
+    plan: QuantPlan, files: list[Path], llm: CausalLM, progress: bool | None
 ) -> Iterator[tuple[str, torch.Tensor | Int4Codes | Int8Blocks]]:
     """The checkpoint's tensors, with quantized weights as ``Int4Codes`` (linears) or ``Int8Blocks`` (vocab)
     where the plan reads them directly."""

@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
-from actors.models.llama import HFConfig, LlamaForCausalLM, config_get
+from actors.models.decoder import CausalLM, HFConfig, config_get
+from actors.models.gemma3 import Gemma3ForCausalLM
+from actors.models.llama import LlamaForCausalLM
+from actors.models.mixtral import MixtralForCausalLM
+from actors.models.phi3 import Phi3ForCausalLM
+from actors.models.qwen2_moe import Qwen2MoeForCausalLM
+from actors.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from scheduling.errors import InvalidParameterError
 
 # HF `architectures` entry -> our implementation.
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 # Configs built in code may lack `architectures`; their model_type decides.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(MODEL_REGISTRY))
 
@@ -25,7 +47,7 @@ class UnsupportedModelError(InvalidParameterError):
         super().__init__(param, message)
 
 
-def resolve_architecture(config: HFConfig) -> type[LlamaForCausalLM]:
+def resolve_architecture(config: HFConfig) -> type[CausalLM]:
     """Return the class that implements ``config``'s architecture.
 
     Raises ``UnsupportedModelError`` naming the architecture and the supported ones.

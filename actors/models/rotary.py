@@ -13,21 +13,23 @@ from scheduling.errors import InvalidParameterError
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies (float32, ``head_dim // 2``) for RoPE, with llama3 scaling.
+    """Inverse frequencies (float32, ``head_dim // 2``) for RoPE, with linear or llama3 scaling.
 
     ``scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict or None.
-    Only ``default`` and ``llama3`` are implemented; anything else raises, since
+    Only ``default``, ``linear`` and ``llama3`` are implemented; anything else raises, since
     silently ignoring a scaling scheme produces a model that only looks right.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in (None, "default"):
         return inv_freq
-    if rope_type != "llama3":
+    if rope_type not in ("llama3", "linear"):
         raise InvalidParameterError(
-            "model", f"rope type {rope_type!r} is not supported (supported: 'default', 'llama3')"
+            "model", f"rope type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3')"
         )
     assert scaling is not None
+    if rope_type == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+        return inv_freq / float(scaling["factor"])
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.models.llama import LlamaForCausalLM
+from actors.models.decoder import CausalLM
 from kvcache import device_copy
 from kvcache.attention.backend import AttentionBackend, StepLayout
 from kvcache.device_copy import as_device_tensor
@@ -33,7 +33,7 @@ class DraftRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         attn: AttentionBackend,
         *,
         num_layers: int | None,

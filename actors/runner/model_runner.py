@@ -8,6 +8,7 @@ weights and its slice of the KV pool. It knows nothing of requests. With
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -42,7 +43,8 @@ logger = get_logger(__name__.rsplit(".", 1)[-1])
 
 
 def make_attention_backend(
-    config: EngineConfig, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int
+    config: EngineConfig, pool: KVPool, *, num_heads: int, num_kv_heads: int, head_dim: int,
+    scale: float | None = None, sliding_windows: Sequence[int | None] | None = None,
 ) -> AttentionBackend:
     """The backend ``config.resolved_attention_backend()`` names.
 
@@ -54,10 +56,12 @@ def make_attention_backend(
     if name == "flashinfer":
         kernels = config.attention_kernels if config.attention_kernels is not None else load_flashinfer()
         return FlashInferPagedAttention(
-            pool, kernels, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+            pool, kernels, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            scale=scale, sliding_windows=sliding_windows,
         )
     assert name == "torch", f"no attention backend {name!r}"
-    return TorchPagedAttention(pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return TorchPagedAttention(pool, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               scale=scale, sliding_windows=sliding_windows)
 
 
 def make_drafter(config: EngineConfig, runner: ModelRunner, *, rank: int, world_size: int) -> DraftRunner | None:
@@ -99,7 +103,8 @@ def make_drafter(config: EngineConfig, runner: ModelRunner, *, rank: int, world_
         logger.info("draft model %s: KV pool of %d pages, %.1f MiB", spec.model, pool.num_pages,
                     pool.total_bytes / 2**20)
     attn = make_attention_backend(
-        config, pool, num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim
+        config, pool, num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim,
+        scale=draft.scale, sliding_windows=draft.sliding_windows,
     )
     return DraftRunner(draft, attn, num_layers=None, shares_target_kv=False)
 
@@ -140,6 +145,7 @@ class ModelRunner:
             config.model, dtype=self.dtype, device=self.device,
             max_model_len=config.max_model_len, rank=rank, world_size=world_size,
             quantization=config.quantization, quantization_group_size=config.quantization_group_size,
+            expert_parallel=config.expert_parallel,
         )
         self.model = loaded.model
         if self.device.type == "cpu":
@@ -180,7 +186,8 @@ class ModelRunner:
             logger.info("attention backend: %s (asked for %s) on %s",
                         config.resolved_attention_backend(), config.attention_backend, self.device)
         self.attn = make_attention_backend(
-            config, self.pool, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim
+            config, self.pool, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            scale=m.scale, sliding_windows=m.sliding_windows,
         )
         self.sampler = Sampler(seed=config.seed)
         self.drafter = make_drafter(config, self, rank=rank, world_size=world_size)

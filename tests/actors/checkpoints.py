@@ -16,11 +16,17 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from actors.load.embedded import build_tokenizer
@@ -68,6 +74,59 @@ def mistral_config(sliding_window: int | None = 128) -> MistralConfig:
     """Tiny Mistral with an explicit head_dim (16 != 64 / 8) and a sliding window."""
     kw = {**_COMMON, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
     return MistralConfig(**kw, sliding_window=sliding_window, tie_word_embeddings=False)
+
+
+# The 2026 families with every feature on: GQA (4 query heads, 2 KV heads), a
+# sliding window (WINDOW) shorter than most test prompts and not page
+# aligned, q/k norms where the family has them, 8 experts with top-2 routing.
+WINDOW = 24
+_FAMILY: dict[str, Any] = {**_COMMON, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                           "pad_token_id": 0, "tie_word_embeddings": False}
+_MOE: dict[str, Any] = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def qwen3_config() -> Qwen3Config:
+    """Qwen3: q/k norms, biases on all four projections, layer 0 global and layer 1 windowed."""
+    return Qwen3Config(**_FAMILY, attention_bias=True, use_sliding_window=True, sliding_window=WINDOW,
+                       max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def qwen3_moe_config() -> Qwen3MoeConfig:
+    """Qwen3-MoE: layer 0 sparse (8 experts, top-2, renormalised), layer 1 dense (``mlp_only_layers``); windowed."""
+    return Qwen3MoeConfig(**_FAMILY, **_MOE, norm_topk_prob=True, mlp_only_layers=[1],
+                          use_sliding_window=True, sliding_window=WINDOW)
+
+
+def qwen2_moe_config() -> Qwen2MoeConfig:
+    """Qwen2-MoE: routed experts (not renormalised) plus a sigmoid-gated shared expert, q/k/v biases."""
+    return Qwen2MoeConfig(**_FAMILY, **_MOE, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                          use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+
+
+def mixtral_config() -> MixtralConfig:
+    """Mixtral: every layer sparse (8 experts, top-2), a window on every layer."""
+    return MixtralConfig(**_FAMILY, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW)
+
+
+def gemma3_config() -> Gemma3TextConfig:
+    """Gemma 3 text: layer 0 windowed with the local RoPE base, layer 1 global with linear RoPE scaling;
+    a softmax scale from ``query_pre_attn_scalar`` (not head_dim) and a final logit soft cap."""
+    rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return Gemma3TextConfig(**{**_FAMILY, "tie_word_embeddings": True}, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                            rope_parameters=rope, final_logit_softcapping=30.0)
+
+
+def phi3_config() -> Phi3Config:
+    """Phi-3: fused qkv/gate_up in the checkpoint, a window on every layer."""
+    return Phi3Config(**_FAMILY, sliding_window=WINDOW)
+
+
+FAMILY_CONFIGS = {
+    "qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config, "qwen2_moe": qwen2_moe_config,
+    "mixtral": mixtral_config, "gemma3": gemma3_config, "phi3": phi3_config,
+}
 
 
 def build_hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:

@@ -18,7 +18,7 @@ from actors.models.layers import (
     VocabParallelEmbedding,
     rope_inv_freq,
 )
-from actors.models.llama import LlamaArgs, LlamaForCausalLM
+from actors.models.llama import LlamaForCausalLM, llama_args
 from actors.models.registry import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedModelError,
@@ -146,17 +146,15 @@ def test_transformers4_config_dict_reads_like_transformers5_config() -> None:
     scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
     v4 = {**v5.to_dict(), "rope_theta": LLAMA3_ROPE["rope_theta"], "rope_scaling": scaling}
     del v4["rope_parameters"]
-    assert LlamaArgs.from_hf(v4) == LlamaArgs.from_hf(v5)
-    assert LlamaArgs.from_hf(v5).rope_theta == 50000.0
+    assert llama_args(v4) == llama_args(v5)
+    assert llama_args(v5).rope.theta == 50000.0
 
 
-def test_mistral_sliding_window_limits_max_model_len() -> None:
-    config = mistral_config(sliding_window=128)
-    LlamaForCausalLM(config, max_model_len=128)
-    with pytest.raises(InvalidParameterError, match="sliding-window.*128") as err:
-        LlamaForCausalLM(config, max_model_len=129)
-    assert err.value.param == "max_model_len"
-    LlamaForCausalLM(mistral_config(sliding_window=None), max_model_len=256)
+def test_mistral_sliding_window_is_every_layers_window() -> None:
+    # The backend applies it, so max_model_len is no longer bounded by the window.
+    model = LlamaForCausalLM(mistral_config(sliding_window=128), max_model_len=256)
+    assert model.sliding_windows == (128, 128)
+    assert LlamaForCausalLM(mistral_config(sliding_window=None), max_model_len=256).sliding_windows == (None, None)
 
 
 def test_unsupported_architecture_names_the_supported_ones() -> None:

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as T
 
 from actors.load.gguf.convert import GGUF_LAYER_NAMES, hf_name, unpermute_rows
 from actors.load.gguf.reader import GGUFError, GGUFFile, GGUFTensor, block_layout
-from actors.models.llama import FUSED_CHECKPOINT_NAMES
+from actors.models.decoder import FUSED_CHECKPOINT_NAMES
 from actors.models.quant_linear import Int4Codes, Int8Blocks
 
 GROUP_SIZE = 32  # values per Q4_0 / Q4_1 / Q8_0 block

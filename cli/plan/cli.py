@@ -3,6 +3,18 @@
 Pure Python (argparse + json), so the command starts instantly. A user error
 prints one line naming the flag at fault and exits with status 2, like
 argparse's own errors; it never shows a traceback.
+
+``--json`` prints :meth:`PlanReport.to_dict`. Besides the model, the parameter
+breakdown (``params``: embedding, attention, mlp, norms, lm_head, qk_norms,
+router, shared_experts, experts, active_experts), weights, KV, fit table and
+cost, it holds ``num_params`` / ``total_params`` (all parameters),
+``active_params`` (per token; equal for dense models), ``kv_bytes_per_token``
+(every layer x the whole context: what flotilla allocates),
+``kv_bytes_per_token_window_aware`` and ``kv_bytes_window_aware`` (if
+out-of-window KV of sliding-window layers were dropped, at ``--context``),
+``expected_experts_per_layer`` / ``_batch1`` (distinct routed experts a
+decode step touches per MoE layer) and ``decode_bytes_per_step`` / ``_batch1``
+(bytes one decode step reads: weights, touched experts, KV; see ``cli.plan.planner``).
 """
 
 from __future__ import annotations
@@ -36,7 +48,16 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Estimate weight and KV-cache memory, the smallest tensor-parallel degree "
         "that fits, the concurrent sequences per degree, and the cost per 1M output tokens. "
         "Without --gpu or --gpu-memory-gb only weights and KV cache are shown. "
-        "Sizes are shown in GB (1e9 bytes) and GiB (2^30 bytes).")
+        "Sizes are shown in GB (1e9 bytes) and GiB (2^30 bytes). "
+        "Models: Llama, Mistral, Qwen2/Qwen3, Gemma 2/3, Phi-3 and mixtures of experts "
+        "(Mixtral, Qwen3-MoE, Qwen2-MoE shared experts); for MoE both total and active "
+        "(per token) parameters are shown. "
+        "KV per token counts every layer for the whole context, which is what flotilla allocates "
+        "even for sliding-window layers (one page table for all layers, prefix caching); the "
+        "window-aware figure (windowed layers holding min(context, window) tokens) is shown "
+        "beside it for comparison. Decode bytes per step: non-expert weights + the expected "
+        "distinct experts the batch touches per MoE layer, E(1-(1-k/E)^batch), + batch x context "
+        "x KV per token.")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(MODELS)}")
     model.add_argument("--config", metavar="PATH",
@@ -61,7 +82,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     tput.add_argument("--throughput", type=float, metavar="TOK_S", help="output tokens per second")
     tput.add_argument("--bench-json", metavar="PATH",
                       help='JSON with "output_tok_per_s", e.g. from `flotilla bench offline`')
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON: every figure above, incl. total_params, active_params, "
+                        "kv_bytes_per_token (allocated), kv_bytes_per_token_window_aware, "
+                        "expected_experts_per_layer, decode_bytes_per_step and decode_bytes_per_step_batch1")
     p.set_defaults(func=run_plan)
     return p
 
@@ -131,7 +155,8 @@ def _size(num_bytes: float) -> str:
 
 
 def _billions(n: int) -> str:
-    return f"{n / 1e9:.3f} B"
+    """A parameter count in billions, or in millions when that would show 0.0xx B (norms, routers)."""
+    return f"{n / 1e9:.3f} B" if n >= 10**8 or n == 0 else f"{n / 1e6:.3f} M"
 
 
 def _fit_lines(r: PlanReport, gpu_memory_bytes: int, need: str) -> list[str]:
@@ -156,18 +181,64 @@ def _fit_lines(r: PlanReport, gpu_memory_bytes: int, need: str) -> list[str]:
     return lines
 
 
+def _model_line(m: ModelArch) -> str:
+    extras = []
+    if m.attention_bias:
+        extras.append("q/k/v bias")
+    if m.qk_norm:
+        extras.append("q/k norm")
+    if m.norms_per_layer != 2:
+        extras.append(f"{m.norms_per_layer} norms per layer")
+    if m.is_moe:
+        moe = (f"MoE on {len(m.moe_layers)} layers: {m.num_experts} experts x MLP {m.moe_intermediate_size}, "
+               f"top-{m.num_experts_per_tok}")
+        if m.shared_expert_intermediate_size:
+            moe += f", shared expert MLP {m.shared_expert_intermediate_size}"
+        extras.append(moe)
+    if m.num_sliding_layers:
+        extras.append(f"sliding window {m.sliding_window:,} on {m.num_sliding_layers} of "
+                      f"{m.num_layers} layers")
+    mlp = f"MLP {m.intermediate_size}" if len(m.moe_layers) < m.num_layers else "no dense MLP"
+    return (f"model       {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
+            f"{m.num_kv_heads} KV heads x head_dim {m.head_dim}, {mlp}, "
+            f"vocab {m.vocab_size}, lm head {'tied' if m.tie_word_embeddings else 'untied'}"
+            + "".join(f", {e}" for e in extras))
+
+
+def _param_lines(r: PlanReport) -> list[str]:
+    pc, m = r.params, r.model
+    parts = [("embedding", pc.embedding), ("attention", pc.attention), ("MLP", pc.mlp),
+             ("norms", pc.norms), ("lm head", pc.lm_head)]
+    if m.is_moe and not pc.mlp:
+        parts.pop(2)  # every layer is a MoE layer
+    parts += [(name, n) for name, n in (("q/k norms", pc.qk_norms), ("router", pc.router),
+                                        ("shared experts", pc.shared_experts), ("experts", pc.experts)) if n]
+    breakdown = " + ".join(f"{name} {_billions(n)}" for name, n in parts)
+    lines = [f"parameters  {pc.total / 1e9:.2f} B = {breakdown}"]
+    if m.is_moe:
+        lines.append(f"active      {pc.active / 1e9:.2f} B per token ({m.num_experts_per_tok} of "
+                     f"{m.num_experts} experts: {_billions(pc.active_experts)} of {_billions(pc.experts)})")
+    else:
+        lines.append(f"active      {pc.active / 1e9:.2f} B per token (dense: all of them)")
+    return lines
+
+
+def _decode_lines(r: PlanReport) -> list[str]:
+    at = f"at {r.context:,} tokens"
+    lines = [f"decode      bytes read per step {at} (weights + touched experts + KV): "
+             f"batch 1 {_size(r.decode_bytes_per_step_batch1)}"
+             + (f", batch {r.batch} {_size(r.decode_bytes_per_step)}" if r.batch != 1 else "")]
+    if r.model.is_moe:
+        lines.append(f"            distinct experts per MoE layer: {r.expected_experts_per_layer_batch1:.1f} "
+                     f"at batch 1" + (f", {r.expected_experts_per_layer:.1f} at batch {r.batch}"
+                                       if r.batch != 1 else "")
+                     + f" of {r.model.num_experts}")
+    return lines
+
+
 def format_report(r: PlanReport) -> str:
     """The human-readable report."""
-    m, pc = r.model, r.params
-    lines = [
-        f"model       {m.name}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
-        f"{m.num_kv_heads} KV heads x head_dim {m.head_dim}, MLP {m.intermediate_size}, "
-        f"vocab {m.vocab_size}, lm head {'tied' if m.tie_word_embeddings else 'untied'}"
-        + (", q/k/v bias" if m.attention_bias else ""),
-        f"parameters  {pc.total / 1e9:.2f} B = embedding {_billions(pc.embedding)} + attention "
-        f"{_billions(pc.attention)} + MLP {_billions(pc.mlp)} + norms {_billions(pc.norms)} + "
-        f"lm head {_billions(pc.lm_head)}",
-    ]
+    lines = [_model_line(r.model), *_param_lines(r)]
     for i, (dtype, size) in enumerate(r.weight_bytes_by_dtype.items()):
         mark = "   <- --dtype" if dtype == r.weight_dtype else ""
         lines.append(f"{'weights' if i == 0 else '':<12}{dtype:<5} {_size(size)}{mark}")
@@ -176,6 +247,10 @@ def format_report(r: PlanReport) -> str:
         f"({r.kv_bytes_per_token / 1e6:.3f} MB / {r.kv_bytes_per_token / 2**20:.3f} MiB)",
         f"            {r.context:,} tokens x {r.batch} sequences = {_size(r.kv_bytes)}",
     ]
+    if r.model.num_sliding_layers:
+        lines.append(f"            window-aware (out-of-window KV dropped; flotilla keeps it): "
+                     f"{r.kv_bytes_per_token_window_aware:,} B per token, {_size(r.kv_bytes_window_aware)}")
+    lines += _decode_lines(r)
     need = _size(r.weight_bytes + r.kv_bytes)
     if r.gpu_memory_bytes is None:
         lines += ["", f"weights + KV = {need}; no GPU given (--gpu or --gpu-memory-gb): no fit table"]

@@ -2,8 +2,11 @@
 
 Pure Python: the planner must start instantly, so nothing here imports torch,
 Ray or transformers. A model is described by the handful of architecture
-numbers that decide its parameter count and KV-cache size; they come from a
-preset below or from a Hugging Face ``config.json``.
+numbers that decide its parameter count, KV-cache size and decode traffic:
+Llama-family decoders (Llama, Mistral, Qwen2), Qwen3 (per-head q/k norms),
+Gemma 2/3 (sandwich norms, sliding-window layers), Phi-3, and mixtures of
+experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert). They come from
+a preset below or from a Hugging Face ``config.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,21 @@ class GpuSpec:
 
 @dataclass(frozen=True)
 class ModelArch:
-    """The architecture numbers of a Llama-family decoder (GQA attention, SwiGLU MLP, RMSNorm)."""
+    """The architecture numbers of a decoder: GQA attention, gated MLP (SwiGLU / GeGLU: 3 matrices), RMSNorms.
+
+    Mixture of experts: a layer ``i`` is a MoE layer when ``num_experts > 0``,
+    ``i`` is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``
+    (the Qwen2-MoE / Qwen3-MoE rule; Mixtral: every layer). A MoE layer holds a
+    router (``hidden x num_experts``), ``num_experts`` gated MLPs of width
+    ``moe_intermediate_size`` of which each token runs ``num_experts_per_tok``,
+    and, when ``shared_expert_intermediate_size`` > 0, a shared expert every
+    token runs plus its one-output sigmoid gate (Qwen2-MoE). The other layers
+    have a dense MLP of width ``intermediate_size``.
+
+    Sliding windows: the layers in ``sliding_layers`` attend to the last
+    ``sliding_window`` tokens (the query itself included); the others to the
+    whole sequence.
+    """
 
     name: str
     num_layers: int
@@ -43,18 +60,79 @@ class ModelArch:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, Qwen2-MoE)
+    qk_norm: bool = False  # per-head RMSNorm of q and k: 2 x head_dim weights per layer (Qwen3, Gemma 3)
+    norms_per_layer: int = 2  # hidden-size norms per layer: 2 pre-norms; 4 with Gemma's post-norms
+    num_experts: int = 0  # routed experts per MoE layer; 0: dense
+    num_experts_per_tok: int = 0  # top-k: routed experts each token runs
+    moe_intermediate_size: int = 0  # width of one routed expert's gated MLP
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert's width; 0: none
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()  # dense layers of a MoE model
+    sliding_window: int | None = None  # tokens a windowed layer attends to
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                      "intermediate_size", "vocab_size"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidParameterError("config", f"{field} must be a positive integer, got {value!r}")
+                      "intermediate_size", "vocab_size", "norms_per_layer", "decoder_sparse_step"):
+            _check_int(field, getattr(self, field), minimum=1)
+        for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "shared_expert_intermediate_size"):
+            _check_int(field, getattr(self, field), minimum=0)
         if self.num_heads % self.num_kv_heads:
             raise InvalidParameterError(
                 "config", f"num_heads ({self.num_heads}) is not a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise InvalidParameterError(
+                    "config", f"num_experts_per_tok must be in 1..{self.num_experts} (num_experts), "
+                    f"got {self.num_experts_per_tok!r}")
+            if not self.moe_intermediate_size:
+                raise InvalidParameterError("config", "a MoE model needs a positive moe_intermediate_size")
+        elif self.num_experts_per_tok or self.shared_expert_intermediate_size:
+            raise InvalidParameterError(
+                "config", "num_experts_per_tok and shared_expert_intermediate_size need num_experts > 0")
+        for field in ("mlp_only_layers", "sliding_layers"):
+            layers = getattr(self, field)
+            if not isinstance(layers, tuple) or any(
+                    not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers
+                    for i in layers):
+                raise InvalidParameterError(
+                    "config", f"{field} must list layer indices in 0..{self.num_layers - 1}, got {layers!r}")
+        if self.sliding_window is not None:
+            _check_int("sliding_window", self.sliding_window, minimum=1)
+        elif self.sliding_layers:
+            raise InvalidParameterError("config", "sliding_layers are given but no sliding_window")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose MLP is a mixture of experts."""
+        if not self.is_moe:
+            return ()
+        dense = set(self.mlp_only_layers)
+        return tuple(i for i in range(self.num_layers)
+                     if i not in dense and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return len(set(self.sliding_layers))
+
+
+def _check_int(field: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "positive" if minimum > 0 else "non-negative"
+        raise InvalidParameterError("config", f"{field} must be a {kind} integer, got {value!r}")
+
+
+def windowed_layers(num_layers: int, pattern: int) -> tuple[int, ...]:
+    """The sliding-window layers of a ``sliding_window_pattern``: every ``pattern``-th layer
+    (1-based) is global, the others windowed, as transformers expands Gemma 2/3 configs."""
+    return tuple(i for i in range(num_layers) if (i + 1) % pattern)
 
 
 # Nominal (marketed) capacities. Real cards report a little more (an A100-80G
@@ -85,6 +163,27 @@ MODELS: dict[str, ModelArch] = {m.name: m for m in (
               attention_bias=True),
     ModelArch("mistral-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
               head_dim=128, intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False),
+    ModelArch("qwen3-8b", num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8,
+              head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,
+              qk_norm=True),
+    # The text model of Gemma 3 27B (its config.json's text_config; the vision tower is not counted).
+    ModelArch("gemma-3-27b", num_layers=62, hidden_size=5376, num_heads=32, num_kv_heads=16,
+              head_dim=128, intermediate_size=21504, vocab_size=262208, tie_word_embeddings=True,
+              qk_norm=True, norms_per_layer=4, sliding_window=1024,
+              sliding_layers=windowed_layers(62, 6)),
+    ModelArch("phi-3-mini", num_layers=32, hidden_size=3072, num_heads=32, num_kv_heads=32,
+              head_dim=96, intermediate_size=8192, vocab_size=32064, tie_word_embeddings=False,
+              sliding_window=2047, sliding_layers=tuple(range(32))),
+    ModelArch("qwen3-30b-a3b", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+              head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=False,
+              qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    ModelArch("mixtral-8x7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+              head_dim=128, intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False,
+              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336),
+    ModelArch("qwen1.5-moe-a2.7b", num_layers=24, hidden_size=2048, num_heads=16, num_kv_heads=16,
+              head_dim=128, intermediate_size=5632, vocab_size=151936, tie_word_embeddings=False,
+              attention_bias=True, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+              shared_expert_intermediate_size=5632),
 )}
 
 
@@ -109,18 +208,97 @@ def get_model(name: str) -> ModelArch:
     return model
 
 
+# Facts config.json files leave to the model type (transformers' config classes supply them).
+_QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text"})
+_SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})  # 4 norms per layer
+_QKV_BIAS_TYPES = frozenset({"qwen2", "qwen2_moe"})  # q/k/v biases without attention_bias in the config
+_NO_WINDOW_BY_DEFAULT: dict[str, object] = {"use_sliding_window": False}
+_GEMMA3_DEFAULTS: dict[str, object] = {"tie_word_embeddings": True, "vocab_size": 262208,
+                                       "sliding_window_pattern": 6}
+_MODEL_TYPE_DEFAULTS: dict[str, dict[str, object]] = {
+    "gemma": {"tie_word_embeddings": True},
+    "gemma2": {"tie_word_embeddings": True, "sliding_window_pattern": 2},
+    "gemma3": _GEMMA3_DEFAULTS,
+    "gemma3_text": _GEMMA3_DEFAULTS,
+    "qwen2": _NO_WINDOW_BY_DEFAULT,
+    "qwen2_moe": _NO_WINDOW_BY_DEFAULT,
+    "qwen3": _NO_WINDOW_BY_DEFAULT,
+    "qwen3_moe": _NO_WINDOW_BY_DEFAULT,
+}
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def _first(config: dict[str, Any], *keys: str, default: object = None) -> Any:
+    """The value of the first of ``keys`` that ``config`` sets to something other than null."""
+    return next((config[key] for key in keys if config.get(key) is not None), default)
+
+
+def _windows(config: dict[str, Any], num_layers: object, name: str) -> tuple[int | None, tuple[int, ...]]:
+    """``(sliding_window, sliding_layers)`` as transformers reads them.
+
+    ``layer_types`` names each layer's kind; without it ``sliding_window_pattern``
+    N makes every N-th layer global (Gemma 2/3); Qwen2-style ``use_sliding_window``
+    windows the layers from ``max_window_layers`` on; otherwise a ``sliding_window``
+    applies to every layer (Mistral v0.1, Phi-3) unless ``use_sliding_window`` is false.
+    """
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+        return None, ()  # ModelArch reports the bad layer count
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        window = None
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise InvalidParameterError("config", f"{name}: layer_types must list one kind per layer "
+                                        f"({num_layers}), got {types!r}")
+        unknown = sorted({str(t) for t in types} - _LAYER_TYPES)
+        if unknown:
+            raise InvalidParameterError("config", f"{name}: layer types {unknown} are not supported "
+                                        f"(supported: {', '.join(sorted(_LAYER_TYPES))})")
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        if sliding and window is None:
+            raise InvalidParameterError("config", f"{name}: layer_types has sliding_attention layers "
+                                        "but no sliding_window")
+        return (window, sliding) if sliding else (None, ())
+    if window is None:
+        return None, ()
+    pattern = config.get("sliding_window_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+            raise InvalidParameterError("config", f"{name}: sliding_window_pattern must be a positive "
+                                        f"integer, got {pattern!r}")
+        return window, windowed_layers(num_layers, pattern)
+    first = config.get("max_window_layers")
+    if config.get("use_sliding_window") and isinstance(first, int) and not isinstance(first, bool):
+        return window, tuple(range(max(first, 0), num_layers))
+    return window, tuple(range(num_layers))
+
+
 def model_from_hf_config(config: dict[str, Any], name: str = "config") -> ModelArch:
     """Build a :class:`ModelArch` from a parsed Hugging Face ``config.json``.
 
     ``num_key_value_heads`` defaults to ``num_attention_heads`` (plain MHA),
     ``head_dim`` to ``hidden_size / num_attention_heads``, and
-    ``tie_word_embeddings`` to False (the Llama, Mistral and Qwen2 default).
-    Multimodal configs that nest the language model under ``text_config`` work too.
+    ``tie_word_embeddings`` to False (the Llama, Mistral and Qwen2 default;
+    True for Gemma). Multimodal configs that nest the language model under
+    ``text_config`` work too (only the language model is counted).
+
+    Experts: ``num_experts`` (Qwen) or ``num_local_experts`` (Mixtral),
+    ``num_experts_per_tok``, ``moe_intermediate_size`` (default
+    ``intermediate_size``, Mixtral's convention), ``shared_expert_intermediate_size``,
+    ``decoder_sparse_step`` and ``mlp_only_layers``. Sliding windows:
+    ``layer_types``, ``sliding_window``, ``sliding_window_pattern``,
+    ``use_sliding_window`` (see :func:`_windows`). What configs leave to the
+    model type comes from it: per-head q/k norms (Qwen3, Gemma 3), Gemma's four
+    norms per layer, Qwen2's q/k/v biases, Gemma 3's vocabulary and window
+    pattern, and Qwen's windows being off unless ``use_sliding_window`` says so.
     """
     if not isinstance(config, dict):
         raise InvalidParameterError("config", "config.json must hold a JSON object")
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         config = {**config, **config["text_config"]}
+    model_type = str(config.get("model_type"))
+    config = {**_MODEL_TYPE_DEFAULTS.get(model_type, {}), **config}
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads",
                 "intermediate_size", "vocab_size")
     missing = [key for key in required if config.get(key) is None]
@@ -137,6 +315,22 @@ def model_from_hf_config(config: dict[str, Any], name: str = "config") -> ModelA
         head_dim = hidden // heads
     kv_heads = config.get("num_key_value_heads")
     bias = config.get("attention_bias")
+    num_experts = _first(config, "num_experts", "num_local_experts", default=0)
+    moe: dict[str, Any] = {}
+    if num_experts:
+        dense_layers = config.get("mlp_only_layers") or []
+        if not isinstance(dense_layers, list):
+            raise InvalidParameterError("config", f"{name}: mlp_only_layers must be a list of layer "
+                                        f"indices, got {dense_layers!r}")
+        moe = {
+            "num_experts": num_experts,
+            "num_experts_per_tok": _first(config, "num_experts_per_tok", default=0),
+            "moe_intermediate_size": _first(config, "moe_intermediate_size", "intermediate_size"),
+            "shared_expert_intermediate_size": _first(config, "shared_expert_intermediate_size", default=0),
+            "decoder_sparse_step": _first(config, "decoder_sparse_step", default=1),
+            "mlp_only_layers": tuple(dense_layers),
+        }
+    window, sliding = _windows(config, config["num_hidden_layers"], name)
     return ModelArch(
         name=name,
         num_layers=config["num_hidden_layers"],
@@ -148,7 +342,12 @@ def model_from_hf_config(config: dict[str, Any], name: str = "config") -> ModelA
         vocab_size=config["vocab_size"],
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 has q/k/v biases without saying so in its config.
-        attention_bias=bool(bias) if bias is not None else config.get("model_type") == "qwen2",
+        attention_bias=bool(bias) if bias is not None else model_type in _QKV_BIAS_TYPES,
+        qk_norm=model_type in _QK_NORM_TYPES,
+        norms_per_layer=4 if model_type in _SANDWICH_NORM_TYPES else 2,
+        sliding_window=window,
+        sliding_layers=sliding,
+        **moe,
     )
 
 

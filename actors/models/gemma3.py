@@ -3,8 +3,8 @@ sliding-window layers (``sliding_attention`` in ``layer_types``) with their own 
 
 from __future__ import annotations
 
-from actors.models.decoder import (
-    CausalLM,
+from actors.models.decoder import CausalLM
+from actors.models.decoder_args import (
     DecoderArgs,
     HFConfig,
     as_pretrained,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from actors.models.decoder import CausalLM, DecoderArgs, HFConfig, common_args, config_get
+from actors.models.decoder import CausalLM
+from actors.models.decoder_args import DecoderArgs, HFConfig, common_args, config_get
 
 
 def llama_args(config: HFConfig) -> DecoderArgs:

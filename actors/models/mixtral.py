@@ -4,15 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from actors.models.decoder import (
-    CausalLM,
-    CheckpointTensor,
-    DecoderArgs,
-    HFConfig,
-    Routed,
-    common_args,
-    config_get,
-)
+from actors.models.decoder import CausalLM, CheckpointTensor, Routed
+from actors.models.decoder_args import DecoderArgs, HFConfig, common_args, config_get
 from actors.models.moe import MoEArgs, SparseMoE
 
 

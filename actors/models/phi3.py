@@ -6,14 +6,8 @@ from collections.abc import Iterator
 
 import torch
 
-from actors.models.decoder import (
-    CausalLM,
-    CheckpointTensor,
-    DecoderArgs,
-    HFConfig,
-    Routed,
-    common_args,
-)
+from actors.models.decoder import CausalLM, CheckpointTensor, Routed
+from actors.models.decoder_args import DecoderArgs, HFConfig, common_args
 
 
 class Phi3ForCausalLM(CausalLM):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from actors.models.decoder import CausalLM, DecoderArgs, HFConfig, common_args, config_get
+from actors.models.decoder import CausalLM
+from actors.models.decoder_args import DecoderArgs, HFConfig, common_args, config_get
 from actors.models.qwen3 import moe_layer_ids, qwen_moe_args
 
 

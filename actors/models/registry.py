@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from actors.models.decoder import CausalLM, HFConfig, config_get
+from actors.models.decoder import CausalLM
+from actors.models.decoder_args import HFConfig, config_get
 from actors.models.gemma3 import Gemma3ForCausalLM
 from actors.models.llama import LlamaForCausalLM
 from actors.models.mixtral import MixtralForCausalLM

@@ -54,10 +54,13 @@ def test_engines_share_blocks_through_the_cluster_store(ray_cluster: None, tmp_p
     store = ray.get_actor(store_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
     ray.kill(store, no_restart=True)
     _evict_all(second.engine)
+    hits_before = _tier(second.engine, "cluster")["hits"]
     tokens, cached = _cached(second, PROMPTS)
-    # The first request's lookup meets the dead store: it computes its whole prompt. (The others may start
-    # from the shared head the first one computed, which it hands to the tiers as soon as it ends.)
-    assert tokens == reference and cached[0] == 0
+    # No block comes from the dead store: every lookup that reaches it is a miss and a counted error. (Which
+    # request computes the shared head first, and so which ones reuse it from the radix cache, depends on when
+    # each lookup ends; no order is assumed.)
+    assert tokens == reference
+    assert _tier(second.engine, "cluster")["hits"] == hits_before
     assert _tier(second.engine, "cluster")["errors"] >= 1
     _assert_all_free(second.engine)
     # Its saves of the recomputed pages start a fresh store on the node, from which a new engine starts warm.

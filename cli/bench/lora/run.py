@@ -37,8 +37,6 @@ shows it. ``slot_loads`` counts the adapters written into slots (each
 
 from __future__ import annotations
 
-import random
-import statistics
 import sys
 import tempfile
 import time
@@ -52,6 +50,7 @@ from actors.config import EngineConfig
 from actors.engine.llm_engine import LLMEngine
 from actors.load.loader import resolve_model_path
 from apps.llm import LLM
+from cli.bench.decode_steps import check_idle, decode_pass, median_ms, random_prompts
 from cli.bench.harness import OFFLINE_ENGINE_DEFAULTS, offline_engine
 from cli.bench.lora.adapters import write_adapters
 from cli.bench.lora.batch import BATCH_SIZE
@@ -82,14 +81,6 @@ class CycleSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeTimes:
-    """One pass of one configuration: each timed step's wall and forward seconds."""
-
-    step_s: list[float]
-    forward_s: list[float]
-
-
-@dataclass(frozen=True, slots=True)
 class CyclePass:
     """One timed run of the cycling workload."""
 
@@ -110,71 +101,10 @@ def _check_positive(name: str, value: Any) -> None:
         raise InvalidParameterError(name, f"must be an integer >= 1, got {value!r}")
 
 
-def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
-
-
-def _idle(engine: LLMEngine, label: str) -> None:
-    if engine.has_unfinished:
-        raise RuntimeError(f"{label}: the engine still has requests from an earlier pass")
-
-
-def decode_pass(engine: LLMEngine, label: str, prompts: list[list[int]], loras: list[str | None],
-                steps: int) -> DecodeTimes:
-    """Prefill the batch untimed, then time ``steps`` full decode steps (module docstring); aborts the batch."""
-    _idle(engine, label)
-    distinct = len({name for name in loras if name is not None})
-    rids = [f"{label}-{i}" for i in range(len(prompts))]
-    # A chunked prefill gives the first requests tokens while the last still prefill: each may run to the
-    # end of its context, so none ends inside the timed steps (checked once the batch is decoding).
-    max_tokens = engine.config.max_model_len - max(len(ids) for ids in prompts)
-    for rid, ids, lora in zip(rids, prompts, loras, strict=True):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora=lora)
-        engine.add_request(rid, ids, params, prompt_token_ids=ids)
-    try:
-        produced = dict.fromkeys(rids, 0)
-        max_prefill_steps = sum(len(ids) for ids in prompts)  # each step computes at least one prompt token
-        for _ in range(max_prefill_steps):
-            if all(produced.values()):
-                break
-            for d in engine.step():
-                produced[d.request_id] += len(d.token_ids)
-        else:
-            raise RuntimeError(f"{label}: {sum(not n for n in produced.values())} requests had no token after "
-                               f"{max_prefill_steps} steps")
-        if max(produced.values()) + steps >= max_tokens:
-            raise RuntimeError(f"{label}: {steps} decode steps do not fit in max_model_len "
-                               f"{engine.config.max_model_len} after the prefill")
-        step_s: list[float] = []
-        forward_s: list[float] = []
-        for k in range(steps):
-            f0, t0 = engine.forward_seconds_total, time.perf_counter()
-            batch = engine.schedule()
-            if batch is None:
-                raise RuntimeError(f"{label}: decode step {k} scheduled nothing")
-            deltas = engine.finish_step(batch, engine.execute(batch))
-            step_s.append(time.perf_counter() - t0)
-            forward_s.append(engine.forward_seconds_total - f0)
-            slots = set(batch.lora_slots) if batch.lora_slots is not None else set()
-            if not (batch.is_decode_only and batch.num_seqs == len(rids)):
-                raise RuntimeError(f"{label}: decode step {k} ran {batch.num_seqs} sequences, "
-                                   f"{batch.num_tokens} tokens; expected {len(rids)} decoding")
-            if sorted(d.request_id for d in deltas) != sorted(rids) or any(len(d.token_ids) != 1 for d in deltas):
-                raise RuntimeError(f"{label}: decode step {k} did not advance every sequence by one token")
-            if len(slots) != distinct or batch.lora_loads:
-                raise RuntimeError(f"{label}: decode step {k} ran slots {sorted(slots)} (expected {distinct} "
-                                   f"distinct) and loads {batch.lora_loads}")
-        return DecodeTimes(step_s, forward_s)
-    finally:
-        for rid in rids:
-            engine.abort(rid)
-
-
 def cycle_pass(engine: LLMEngine, label: str, prompts: list[list[int]], loras: list[str | None],
                max_tokens: int) -> CyclePass:
     """Run every request to its end, counting steps, sequences per step and slot loads."""
-    _idle(engine, label)
+    check_idle(engine, label)
     t0 = time.perf_counter()
     for i, (ids, lora) in enumerate(zip(prompts, loras, strict=True)):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora=lora)
@@ -197,10 +127,6 @@ def cycle_pass(engine: LLMEngine, label: str, prompts: list[list[int]], loras: l
     if tokens != max_tokens * len(prompts):
         raise RuntimeError(f"{label}: {tokens} output tokens, expected {max_tokens * len(prompts)}")
     return CyclePass(seconds, tokens, steps, seqs, loads)
-
-
-def _ms(values: list[float]) -> float:
-    return round(statistics.median(values) * 1e3, 3)
 
 
 def _engine_options(engine: dict[str, Any], context_needed: int) -> dict[str, Any]:
@@ -231,22 +157,22 @@ def _step_overhead(options: dict[str, Any], adapters: list[Path], *, rank: int, 
         names = [f"a{i}" for i in range(len(adapters))]
         for name, path in zip(names, adapters, strict=True):
             lora_llm.load_lora(name, str(path))
-        prompts = _random_prompts(BATCH_SIZE, context, lora_llm.engine.vocab_size, seed)
+        prompts = random_prompts(BATCH_SIZE, context, lora_llm.engine.vocab_size, seed)
         batches: dict[str, tuple[LLM, list[str | None]]] = {
             BASE: (lora_llm, [None] * BATCH_SIZE),
             **{str(k): (lora_llm, [names[i % k] for i in range(BATCH_SIZE)]) for k in DISTINCT},
             NO_LORA_ENGINE: (plain_llm, [None] * BATCH_SIZE),
         }
         for config, (llm, loras) in batches.items():  # warm-up: first-call costs and slot loads, not counted
-            decode_pass(llm.engine, f"warm-{config}", prompts, loras, WARMUP_STEPS)
+            decode_pass(llm.engine, f"warm-{config}", prompts, WARMUP_STEPS, loras)
         per_run: list[dict[str, Any]] = []
         with tqdm(total=runs * len(CONFIGS), desc="bench lora steps", unit="pass", disable=not progress) as bar:
             for r in range(runs):
                 figures: dict[str, Any] = {"step_ms": {}, "forward_ms": {}}
                 for config, (llm, loras) in batches.items():
-                    times = decode_pass(llm.engine, f"run{r}-{config}", prompts, loras, steps)
-                    figures["step_ms"][config] = _ms(times.step_s)
-                    figures["forward_ms"][config] = _ms(times.forward_s)
+                    times = decode_pass(llm.engine, f"run{r}-{config}", prompts, steps, loras)
+                    figures["step_ms"][config] = median_ms(times.step_s)
+                    figures["forward_ms"][config] = median_ms(times.forward_s)
                     bar.update(1)
                 per_run.append(figures)
                 if not progress:
@@ -267,7 +193,7 @@ def _cycling(options: dict[str, Any], adapters: list[Path], cycle: CycleSettings
         for name, path in zip(names, adapters, strict=True):
             llm.load_lora(name, str(path))
         engine = llm.engine
-        prompts = _random_prompts(cycle.requests, cycle.prompt_len, engine.vocab_size, seed + 1)
+        prompts = random_prompts(cycle.requests, cycle.prompt_len, engine.vocab_size, seed + 1)
         lora_of: list[str | None] = [names[i % cycle.adapters] for i in range(cycle.requests)]
         base_of: list[str | None] = [None] * cycle.requests
         warm = CYCLE_WARMUP_REQUESTS

@@ -24,6 +24,7 @@ from cli.bench.accuracy import AccuracyBench
 from cli.bench.autoscale import AutoscaleBench
 from cli.bench.kv_tiers import KVTiersBench
 from cli.bench.lora import LoRABench
+from cli.bench.moe import MoEBench
 from cli.bench.offline import OfflineBench
 from cli.bench.pd import PDBench
 from cli.bench.ray_overhead import RayOverheadBench
@@ -56,6 +57,7 @@ BENCHES: tuple[Bench, ...] = (
     PDBench(),
     LoRABench(),
     KVTiersBench(),
+    MoEBench(),
     SchedulerBench(),
     OfflineBench(),
     RayOverheadBench(),

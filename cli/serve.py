@@ -56,6 +56,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                          "set it when several replicas share a node)")
     sp.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="shards per replica (implies the Ray executor when > 1)")
+    sp.add_argument("--expert-parallel", action="store_true", default=None,
+                    help="mixture-of-experts models: each shard holds whole experts instead of a slice of "
+                         "every expert (docs/models.md)")
     sp.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                          'or \'{"method": "draft", "layers": 8, "num_speculative_tokens": 3}\' '
@@ -167,7 +170,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_app`` arguments from the parsed command line (unset engine options keep defaults)."""
     out: dict[str, Any] = {"model": args.model, "num_replicas": args.replicas}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_pages",
-                 "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "cpu_threads",
+                 "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "expert_parallel", "cpu_threads",
                  "speculative_config", "kv_cache_dtype", "quantization", "quantization_group_size",
                  "attention_backend", "cuda_graphs", "enable_lora", "max_loras", "max_lora_rank",
                  "max_cpu_loras", "kv_offload"):

@@ -123,3 +123,10 @@ def test_kv_offload_reaches_the_engine_and_bad_json_is_refused_before_ray_starts
         with pytest.raises(InvalidParameterError) as err:
             build_app(_args("--model", "tiny", "--kv-offload", bad))
         assert err.value.param == "kv_offload"
+
+
+def test_expert_parallel_reaches_the_engine_config_only_when_asked() -> None:
+    args = _args("--model", "tiny", "--tensor-parallel-size", "2", "--expert-parallel")
+    assert args["expert_parallel"] is True and args["executor"] == "ray"
+    build_app(args)  # a valid EngineConfig; a dense model refuses it when its shards load (test_model_families)
+    assert "expert_parallel" not in _args("--model", "tiny")

@@ -225,7 +225,8 @@ def _weights(
     # The float copies of the linears read from GGUF blocks are never read.
     yield from iter_checkpoint(files, progress=progress, skip=frozenset(plan.gguf_tensors))
     yield from q4_blocks.iter_int4_weights(
-        plan.gguf_tensors, num_heads=llm.args.num_heads, num_kv_heads=llm.args.num_kv_heads
+        plan.gguf_tensors, num_heads=llm.args.num_heads, num_kv_heads=llm.args.num_kv_heads,
+        permuted_qk=plan.gguf_permuted_qk,
     )
 
 

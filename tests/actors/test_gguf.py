@@ -18,7 +18,7 @@ from actors.load.gguf.reader import GGUFError, GGUFTensor, read_gguf
 from actors.load.loader import checkpoint_files, resolve_model_path
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
-from tests.actors.gguf_files import T, encode, write_llama_gguf
+from tests.actors.gguf_files import T, encode, write_gguf
 
 ALL_TYPES = [T[name] for name in SUPPORTED_TYPES]
 PROMPT = [256, 72, 101, 108, 108, 111, 263, 264, 9, 300, 40, 41, 42, 266, 267, 268]
@@ -48,7 +48,7 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_converted_folder_equals_transformers_load(gguf_dir: Path, qtype: T) -> None:
-    path = write_llama_gguf(gguf_dir / f"llama-{qtype.name}.gguf", qtype, seed=3)
+    path = write_gguf(gguf_dir / f"llama-{qtype.name}.gguf", qtype, seed=3)
     folder = ensure_gguf_folder(path, root=gguf_dir / "cache")
     ours = load_file(str(folder / "model.safetensors"))
     theirs = _hf_from_gguf(path).state_dict()
@@ -65,7 +65,7 @@ def test_converted_folder_equals_transformers_load(gguf_dir: Path, qtype: T) -> 
 def test_llm_on_a_gguf_path_matches_transformers(gguf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``LLM("/path/model.gguf")``: greedy tokens and top-20 logprobs equal transformers on the file."""
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", str(gguf_dir / "env_cache"))
-    path = write_llama_gguf(gguf_dir / "llama-q4k-for-llm.gguf", T.Q4_K, seed=5)
+    path = write_gguf(gguf_dir / "llama-q4k-for-llm.gguf", T.Q4_K, seed=5)
     hf = _hf_from_gguf(path)
     with torch.inference_mode():
         expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False,
@@ -92,7 +92,7 @@ def test_llm_on_a_gguf_path_matches_transformers(gguf_dir: Path, monkeypatch: py
 
 
 def test_unsupported_tensor_type_is_named(gguf_dir: Path) -> None:
-    path = write_llama_gguf(gguf_dir / "llama-q5k.gguf", T.Q5_K)
+    path = write_gguf(gguf_dir / "llama-q5k.gguf", T.Q5_K)
     with pytest.raises(GGUFError, match="GGML type Q5_K.*supported types: F32, F16, BF16") as err:
         ensure_gguf_folder(path, root=gguf_dir / "cache")
     assert err.value.param == "model"
@@ -100,14 +100,14 @@ def test_unsupported_tensor_type_is_named(gguf_dir: Path) -> None:
 
 
 def test_unsupported_architecture_is_named(gguf_dir: Path) -> None:
-    path = write_llama_gguf(gguf_dir / "falcon.gguf", T.F16, architecture="falcon")
+    path = write_gguf(gguf_dir / "falcon.gguf", T.F16, architecture="falcon")
     with pytest.raises(GGUFError, match="architecture 'falcon' is not supported; supported: llama"):
         ensure_gguf_folder(path, root=gguf_dir / "cache")
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.01, 12 / 1e9])
 def test_truncated_file_is_a_clear_error(gguf_dir: Path, keep: float) -> None:
-    whole = write_llama_gguf(gguf_dir / f"whole-{keep}.gguf", T.Q8_0).read_bytes()
+    whole = write_gguf(gguf_dir / f"whole-{keep}.gguf", T.Q8_0).read_bytes()
     cut = gguf_dir / f"cut-{keep}.gguf"
     cut.write_bytes(whole[: max(12, int(len(whole) * keep))])
     with pytest.raises(GGUFError, match="not a complete GGUF file") as err:
@@ -140,7 +140,7 @@ def test_unknown_tensor_name_is_named(gguf_dir: Path) -> None:
 
 def test_large_models_convert_into_shards(gguf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model bigger than one shard is written as an indexed set of shards that loads the same."""
-    path = write_llama_gguf(gguf_dir / "sharded-q8.gguf", T.Q8_0, seed=4)
+    path = write_gguf(gguf_dir / "sharded-q8.gguf", T.Q8_0, seed=4)
     whole = load_file(str(ensure_gguf_folder(path, root=gguf_dir / "cache_whole") / "model.safetensors"))
     monkeypatch.setattr(convert, "SHARD_BYTES", 600_000)  # ~ two of the 512x256 float32 matrices
     folder = ensure_gguf_folder(path, root=gguf_dir / "cache_sharded")

@@ -29,7 +29,7 @@ from actors.models.layers import ParallelLinear
 from actors.models.quant_linear import Int4Codes, Int4Linear
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import new_dense, step_logits
-from tests.actors.gguf_files import T, gguf_llama_config, write_llama_gguf
+from tests.actors.gguf_files import T, gguf_llama_config, write_gguf
 
 Q4_TYPES = [T.Q4_0, T.Q4_1]
 PROMPT = [256, 72, 101, 108, 108, 111, 263, 264, 9, 300, 40, 41]
@@ -52,7 +52,7 @@ def test_block_codes_dequantize_exactly_to_the_blocks(qtype: T) -> None:
 def gguf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[T, Path]:
     root = tmp_path_factory.mktemp("quant_gguf")
     return {
-        qtype: ensure_gguf_folder(write_llama_gguf(root / f"llama-{qtype.name}.gguf", qtype, seed=5),
+        qtype: ensure_gguf_folder(write_gguf(root / f"llama-{qtype.name}.gguf", qtype, seed=5),
                                   root=root / "cache")
         for qtype in Q4_TYPES
     }
@@ -119,7 +119,7 @@ def test_q8_0_vocab_blocks_load_as_they_are_and_int4_is_the_file_s_model(tmp_pat
     kernels, --quantization int4 multiplies by exactly the file's weights, so its logits are the float32
     model's (the dequantized same blocks) up to float32 summation order."""
     config = gguf_llama_config(tie_word_embeddings=tied)
-    path = write_llama_gguf(tmp_path / "q8vocab.gguf", T.Q4_1, config=config, seed=3, vocab_qtype=T.Q8_0)
+    path = write_gguf(tmp_path / "q8vocab.gguf", T.Q4_1, config=config, seed=3, vocab_qtype=T.Q8_0)
     folder = ensure_gguf_folder(path, root=tmp_path / "cache")
     kw: dict[str, Any] = {"dtype": torch.float32, "device": "cpu", "max_model_len": 64}
     ref = load_model(str(folder), **kw).model
@@ -140,7 +140,7 @@ def test_q8_0_vocab_blocks_load_as_they_are_and_int4_is_the_file_s_model(tmp_pat
 
 
 def test_other_group_sizes_and_a_missing_file_are_refused_by_name(tmp_path: Path) -> None:
-    path = write_llama_gguf(tmp_path / "moved.gguf", T.Q4_1, seed=1)
+    path = write_gguf(tmp_path / "moved.gguf", T.Q4_1, seed=1)
     folder = ensure_gguf_folder(path, root=tmp_path / "cache")
     kw: dict[str, Any] = {"dtype": torch.float32, "device": "cpu", "max_model_len": 64}
     with pytest.raises(InvalidParameterError) as e:

@@ -6,7 +6,8 @@ tokenizer, generation_config.json, ``gguf_source.json``) and then loaded like
 any folder. float32 holds every dequantized value exactly (``d * q + m`` of
 fp16 scales and small integers), so the folder is the GGUF model itself, and
 the engine's ``dtype`` decides what it runs in. The same folder serves a peer
-(vLLM, transformers) for side-by-side measurements.
+(vLLM, transformers) for side-by-side measurements. Which llama.cpp
+architectures convert, and to what, is ``archs``' table.
 
 The key hashes the file's resolved path, size and mtime with the converter
 version: a replaced file or a new converter gives a new folder. The source
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from actors.load.gguf.archs import gguf_architecture, permuted_heads, unpermute_rows
 from actors.load.gguf.dequant import check_supported, dequantize
 from actors.load.gguf.reader import GGUFError, GGUFFile, read_gguf
 from actors.load.model_cache import build_once, models_dir, update_json
@@ -39,59 +41,16 @@ SOURCE_FILE = "gguf_source.json"
 # float32 shards of the converted folder: bounded memory while converting a large model.
 SHARD_BYTES = 2 << 30
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
-
-# llama.cpp tensor name (after "blk.N.") -> Hugging Face Llama name.
-GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a llama.cpp tensor; ``GGUFError`` for an unknown one."""
-    if gguf_name in GGUF_GLOBAL_NAMES:
-        return GGUF_GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"
-    if gguf_name == "rope_freqs.weight":
-        raise GGUFError("tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported in GGUF files")
-    raise GGUFError(f"tensor {gguf_name!r} has no Llama counterpart; flotilla cannot load it")
-
-
-def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (its converter interleaves each head's rotary halves).
-
-    It moves whole rows, so it applies as well to per-row block data (int4
-    codes, per-group scales) as to the dequantized weight.
-    """
-    rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
 
 def _rope_theta(g: GGUFFile) -> float:
     return float(g.get(f"{g.architecture}.rope.freq_base", 10000.0))
 
 
-def hf_config(g: GGUFFile) -> LlamaConfig:
-    """The ``LlamaConfig`` of a GGUF file's header; ``GGUFError`` for what it cannot express."""
+def hf_config(g: GGUFFile) -> PretrainedConfig:
+    """The Hugging Face config of a GGUF file's header (its architecture's class, ``archs.ARCHITECTURES``);
+    ``GGUFError`` for what it cannot express."""
     arch = g.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = gguf_architecture(g)
     if g.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise GGUFError(f"rope scaling {g.get(f'{arch}.rope.scaling.type')!r} in a GGUF file is not supported")
     heads = g.require(f"{arch}.attention.head_count")
@@ -100,7 +59,9 @@ def hf_config(g: GGUFFile) -> LlamaConfig:
         raise GGUFError("per-layer head counts in a GGUF file are not supported")
     hidden = int(g.require(f"{arch}.embedding_length"))
     tokens = g.get("tokenizer.ggml.tokens") or []
-    config = LlamaConfig(
+    # head_dim is always explicit: Qwen3's may differ from hidden / heads, and Qwen3Config's default (128)
+    # is no file's. Qwen2's q/k/v biases need no field: the architecture name implies them.
+    config = family.config_class(
         vocab_size=int(g.get(f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(g.require(f"{arch}.feed_forward_length")),
@@ -116,25 +77,23 @@ def hf_config(g: GGUFFile) -> LlamaConfig:
         eos_token_id=g.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=g.get("tokenizer.ggml.padding_token_id"),
     )
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [family.hf_architecture]
     config.dtype = "float32"
     return config
 
 
-def iter_hf_tensors(g: GGUFFile, config: LlamaConfig, *, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, float32 tensor)`` for every tensor, dequantized and un-permuted."""
+def iter_hf_tensors(g: GGUFFile, config: PretrainedConfig, *, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, float32 tensor)`` for every tensor, dequantized (and un-permuted where the architecture is)."""
+    family = gguf_architecture(g)
     for t in g.tensors.values():  # refuse before any work, naming the first bad tensor
         check_supported(t)
-        hf_name(t.name)
+        family.hf_name(t.name)
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
     bar = tqdm(g.tensors.values(), desc="converting GGUF", unit="tensor", disable=not progress)
     for t in bar:
-        w = dequantize(t)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_rows(w, heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_rows(w, kv_heads)
-        yield hf_name(t.name), w
+        name, w = family.hf_name(t.name), dequantize(t)
+        rows_over = permuted_heads(name, heads, kv_heads) if family.permuted_qk else 0
+        yield name, unpermute_rows(w, rows_over) if rows_over else w
 
 
 def write_folder(g: GGUFFile, folder: Path, *, progress: bool | None = None) -> None:

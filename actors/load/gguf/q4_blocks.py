@@ -24,7 +24,12 @@ from collections.abc import Iterator
 import torch
 from gguf import GGMLQuantizationType as T
 
-from actors.load.gguf.convert import GGUF_LAYER_NAMES, hf_name, unpermute_rows
+from actors.load.gguf.archs import (
+    GGUF_LAYER_NAMES,
+    gguf_architecture,
+    permuted_heads,
+    unpermute_rows,
+)
 from actors.load.gguf.reader import GGUFError, GGUFFile, GGUFTensor, block_layout
 from actors.models.decoder import FUSED_CHECKPOINT_NAMES
 from actors.models.quant_linear import Int4Codes, Int8Blocks
@@ -91,6 +96,7 @@ def direct_int4_tensors(g: GGUFFile) -> dict[str, GGUFTensor]:
     Q4_0/Q4_1: otherwise all its parts take the float route, so one layer
     never mixes codes read from the file with codes requantized from floats.
     """
+    hf_name = gguf_architecture(g).hf_name
     linear = {hf_name(t.name): t for t in g.tensors.values() if t.name.endswith(_LINEAR_SUFFIXES)}
     by_layer: dict[str, list[str]] = {}
     for name in linear:
@@ -105,21 +111,23 @@ def direct_int4_tensors(g: GGUFFile) -> dict[str, GGUFTensor]:
 
 def direct_vocab_tensors(g: GGUFFile) -> dict[str, GGUFTensor]:
     """Hugging Face name -> tensor, for the embedding and LM head if stored as Q8_0 blocks."""
+    hf_name = gguf_architecture(g).hf_name
     return {hf_name(name): g.tensors[name] for name in _VOCAB_TENSORS
             if name in g.tensors and g.tensors[name].qtype in DIRECT_VOCAB_TYPES}
 
 
 def iter_int4_weights(
-    tensors: dict[str, GGUFTensor], *, num_heads: int, num_kv_heads: int
+    tensors: dict[str, GGUFTensor], *, num_heads: int, num_kv_heads: int, permuted_qk: bool
 ) -> Iterator[tuple[str, Int4Codes | Int8Blocks]]:
-    """``(hf_name, Int4Codes)`` for the linears of ``tensors`` (``direct_int4_tensors``), Q/K rows un-permuted,
-    and ``(hf_name, Int8Blocks)`` for its vocab tensors (``direct_vocab_tensors``)."""
+    """``(hf_name, Int4Codes)`` for the linears of ``tensors`` (``direct_int4_tensors``), and ``(hf_name,
+    Int8Blocks)`` for its vocab tensors (``direct_vocab_tensors``). ``permuted_qk``: the file's architecture
+    has llama.cpp's Q/K row permutation (``GGUFArchitecture.permuted_qk``), undone here."""
     for name, tensor in tensors.items():
         if tensor.qtype in DIRECT_VOCAB_TYPES:
             yield name, q8_blocks(tensor)
             continue
         codes = q4_codes(tensor)
-        heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads if name.endswith("k_proj.weight") else 0
+        heads = permuted_heads(name, num_heads, num_kv_heads) if permuted_qk else 0
         if heads:
             c, s, z = (unpermute_rows(t, heads) for t in codes.parts())
             codes = Int4Codes(codes=c, scales=s, zeros=z, group_size=codes.group_size)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from actors.load.gguf import q4_blocks
+from actors.load.gguf.archs import gguf_architecture
 from actors.load.gguf.convert import gguf_source
 from actors.load.gguf.reader import GGUFTensor, read_gguf
 from actors.load.quant import compressed_tensors as ct
@@ -48,6 +49,7 @@ class QuantPlan:
     source: str = "float"
     gguf_path: Path | None = None
     gguf_tensors: dict[str, GGUFTensor] = field(default_factory=dict)
+    gguf_permuted_qk: bool = False  # the GGUF file's Q/K rows are llama.cpp-permuted (q4_blocks undoes it)
     ct_scheme: ct.CompressedTensorsScheme | None = None
 
     def describe(self, dtype: torch.dtype) -> str:
@@ -119,13 +121,14 @@ def _resolve(path: Path, raw: dict[str, Any], quantization: str | None, group_si
             f"{path} comes from a GGUF file whose Q4 blocks are groups of {q4_blocks.GROUP_SIZE}, which load "
             f"directly; got {group_size} (leave it unset or use {q4_blocks.GROUP_SIZE})",
         )
-    gguf_path, tensors = direct
+    gguf_path, tensors, permuted_qk = direct
     return QuantPlan(method="int4", group_size=q4_blocks.GROUP_SIZE, source="gguf", gguf_path=gguf_path,
-                     gguf_tensors=tensors)
+                     gguf_tensors=tensors, gguf_permuted_qk=permuted_qk)
 
 
-def _gguf_q4_tensors(path: Path) -> tuple[Path, dict[str, GGUFTensor]] | None:
-    """The GGUF file a converted folder came from and its directly loadable linears; None when none."""
+def _gguf_q4_tensors(path: Path) -> tuple[Path, dict[str, GGUFTensor], bool] | None:
+    """The GGUF file a converted folder came from, its directly loadable linears and whether its
+    architecture permutes Q/K rows; None when no linear loads directly."""
     source = gguf_source(path)
     if source is None:
         return None
@@ -136,4 +139,6 @@ def _gguf_q4_tensors(path: Path) -> tuple[Path, dict[str, GGUFTensor]] | None:
         )
     g = read_gguf(gguf_path)
     tensors = q4_blocks.direct_int4_tensors(g)
-    return (gguf_path, {**tensors, **q4_blocks.direct_vocab_tensors(g)}) if tensors else None
+    if not tensors:
+        return None
+    return gguf_path, {**tensors, **q4_blocks.direct_vocab_tensors(g)}, gguf_architecture(g).permuted_qk

@@ -19,6 +19,7 @@ from actors.load.loader import checkpoint_files, resolve_model_path
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.gguf_files import T, encode, write_gguf
+from tests.kernel_cache import link_built_kernels
 
 ALL_TYPES = [T[name] for name in SUPPORTED_TYPES]
 PROMPT = [256, 72, 101, 108, 108, 111, 263, 264, 9, 300, 40, 41, 42, 266, 267, 268]
@@ -64,6 +65,7 @@ def test_converted_folder_equals_transformers_load(gguf_dir: Path, qtype: T) -> 
 
 def test_llm_on_a_gguf_path_matches_transformers(gguf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``LLM("/path/model.gguf")``: greedy tokens and top-20 logprobs equal transformers on the file."""
+    link_built_kernels(gguf_dir / "env_cache")  # before the variable moves this process's cache there
     monkeypatch.setenv("FLOTILLA_CACHE_DIR", str(gguf_dir / "env_cache"))
     path = write_gguf(gguf_dir / "llama-q4k-for-llm.gguf", T.Q4_K, seed=5)
     hf = _hf_from_gguf(path)

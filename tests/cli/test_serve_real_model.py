@@ -13,21 +13,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvcache import cpu_kernels
 from tests.cli.cli_server import cli_server
+from tests.kernel_cache import link_built_kernels
 
 
 @pytest.fixture()
 def served_smollm2(smollm2_dir: Path, tmp_path: Path) -> Iterator[str]:
     args = ["--model", "smollm2-135m", "--cpu-threads", "1", "--max-model-len", "1024", "--num-kv-pages", "128"]
     cache = smollm2_dir.parent.parent
-    # The CPU kernels this machine has built (this process's cache) serve the server too: built again
-    # in the model's cache they cost the test most of a minute.
-    kernels = cache / "torch_extensions"
-    if not kernels.exists():
-        built = cpu_kernels.cache_dir() / "torch_extensions"
-        built.mkdir(parents=True, exist_ok=True)
-        kernels.symlink_to(built, target_is_directory=True)
+    link_built_kernels(cache)  # the server's cache is the model's
     with cli_server(args, tmp_path / "serve.log", env={"FLOTILLA_CACHE_DIR": str(cache)}) as (url, _):
         yield url
 

@@ -117,6 +117,14 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
        "store, full disk): the warning metric.", (*REPLICA_LABELS, "tier")),
     _g("kv_tier_bytes", "Bytes a tier holds for this replica now (the cluster tier: written by it).",
        (*REPLICA_LABELS, "tier")),
+    # Mixture of experts (actors/models/moe.py; absent for a dense model): tokens routed to expert i, summed over
+    # the MoE layers (with expert parallelism rank r holds the same indices in every layer: summed by a rank's
+    # indices, its load), and the hottest expert of any layer against its layer's mean (cluster.metrics).
+    _c("moe_expert_tokens", "Tokens routed to an expert (each token counts once per expert it picks), summed over "
+       "the MoE layers; padding rows not counted.", (*REPLICA_LABELS, "expert")),
+    _g("moe_expert_load_imbalance", "Busiest expert's routed tokens over its layer's mean per expert, the largest of "
+       "any MoE layer, over the latest window of enough routed tokens (1: even; num_experts / top_k: every token "
+       "on the same experts)."),
     # Prefill/decode disaggregation, on decode replicas (apps.disaggregation): prompts prefilled on the
     # prefill pool, retries of failed prefills, KV bytes received and the time moving them took.
     _c("pd_remote_prefills", "Prompts this decode replica had computed on the prefill pool."),

@@ -17,6 +17,9 @@ from kvcache.kv_transfer import KVLayout, KVPayload
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
+# How long a read of the expert counts (``Executor.expert_tokens``) may take before stats go without them.
+EXPERT_TOKENS_TIMEOUT_S = 2.0
+
 
 class Executor(ABC):
     """Runs steps; reports the KV capacity the scheduler may hand out."""
@@ -49,6 +52,16 @@ class Executor(ABC):
         """Forget an adapter on every shard (no step uses it any more); this default holds none to forget."""
         return None
 
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+        """Per MoE layer, per expert, the tokens routed to it since the shards loaded (``ModelRunner.expert_tokens``).
+
+        () for a dense model, or when the counts cannot be read now. Unlike
+        every other call, from any thread while a step runs (it reads
+        counters, waits for no step), within ``EXPERT_TOKENS_TIMEOUT_S``.
+        This default holds no model.
+        """
+        return ()
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the shards and their memory."""
@@ -78,6 +91,9 @@ class LocalExecutor(Executor):
 
     def remove_lora(self, name: str) -> None:
         self.runner.remove_lora(name)
+
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+        return self.runner.expert_tokens()
 
     def shutdown(self) -> None:
         """Nothing to stop in-process; the runner's tensors go with this object."""

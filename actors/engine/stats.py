@@ -139,6 +139,9 @@ class EngineStats:
     # KV tiers (``actors.engine.kv_offload``; empty when off): per tier (host, disk, cluster, and the
     # engine's own counts) its cumulative counters and holdings (``kvcache.kv_tiers.TierStats``).
     kv_tiers: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    # Mixture of experts (``Executor.expert_tokens``; empty for a dense model or when unread): per MoE layer,
+    # in layer order, per expert, the tokens routed to it since the model loaded (each token counts top_k times).
+    moe_expert_tokens: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +214,13 @@ def memory_usage() -> MemoryUsage:
                        gpu_used, gpu_total, gpu_util)
 
 
-def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
-    """Read an engine's counters; call it where no step is half-applied (the actor's loop)."""
+def snapshot(engine: LLMEngine, latency: LatencyWindow,
+             moe_expert_tokens: tuple[tuple[int, ...], ...] = ()) -> EngineStats:
+    """Read an engine's counters; call it where no step is half-applied (the actor's loop).
+
+    ``moe_expert_tokens`` is ``engine.executor.expert_tokens()``, read by the
+    caller where waiting for the device does not hold up the engine's loop.
+    """
     sched, alloc, cache = engine.scheduler, engine.allocator, engine.scheduler.cache
     total, free = alloc.num_pages, alloc.num_free_pages
     mem = memory_usage()
@@ -258,4 +266,5 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow) -> EngineStats:
         grammar_compiles_total=num_compiles,
         grammar_compile_seconds_recent=compile_seconds,
         kv_tiers=engine.offload.stats() if engine.offload is not None else (),
+        moe_expert_tokens=moe_expert_tokens,
     )

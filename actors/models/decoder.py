@@ -278,11 +278,13 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         return [m for m in self.modules() if isinstance(m, SparseMoE)]
 
     def expert_tokens(self) -> torch.Tensor | None:
-        """Routing choices per expert summed over the MoE layers since load (int64, on the device); None if dense."""
+        """Routing choices per MoE layer (in layer order) per expert since load: int64 (layers, experts), on the
+        device; None if dense. Per layer, not summed: each layer's experts are its own, so a hot expert shows
+        only against its layer's others (``ModelRunner.expert_tokens`` reads it for the metrics)."""
         blocks = self.moe_blocks()
         if not blocks:
             return None
-        return torch.stack([b.expert_tokens for b in blocks]).sum(0)
+        return torch.stack([b.expert_tokens for b in blocks])
 
     def route_checkpoint(self, hf_name: str, tensor: CheckpointTensor) -> Iterator[Routed]:
         """Our (parameter, shard id, tensor) triples for one checkpoint tensor; families override to split or rename."""

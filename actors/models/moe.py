@@ -140,9 +140,13 @@ class SparseMoE(nn.Module):
     ``expert_tokens`` (E,) int64 counts every (token, expert) routing choice
     since construction, accumulated on the device without a host sync (every
     rank routes every token, so each rank's count is the global one).
+    ``count_rows``, while set (``DecodeGraphs`` sets it around its forwards),
+    weighs each row's choices by its value (1 for a token, 0 for padding), so
+    a padded static-shape step counts only its real tokens.
     """
 
     expert_tokens: torch.Tensor
+    count_rows: torch.Tensor | None
 
     def __init__(self, hidden_size: int, args: MoEArgs, *, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
@@ -171,6 +175,7 @@ class SparseMoE(nn.Module):
             self.shared_gate = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
         # Not persistent: a counter, not a weight (state_dict and checkpoints leave it out).
         self.register_buffer("expert_tokens", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
+        self.count_rows = None  # every row counts; a static-shape step's int64 row weights while it runs
         self._names = _QWEN_NAMES  # switched to Mixtral's once such a name is loaded (checkpoint_names)
 
     # ---- loading -----------------------------------------------------------------------------
@@ -276,7 +281,11 @@ class SparseMoE(nn.Module):
         num_tokens, k = x.shape[0], self.top_k
         weights, experts = self.route(x)
         flat = experts.reshape(-1)  # pair p = token p // k, slot p % k
-        self.expert_tokens.scatter_add_(0, flat, torch.ones_like(flat))
+        if self.count_rows is None:
+            counted = torch.ones_like(flat)
+        else:  # padding rows of a static-shape step weigh 0 (a device tensor: no host sync, graph capturable)
+            counted = self.count_rows[:num_tokens].unsqueeze(1).expand(num_tokens, k).reshape(-1)
+        self.expert_tokens.scatter_add_(0, flat, counted)
         # Sort the pairs by local expert; other ranks' experts (EP) get key E_local and sort last,
         # past the final group end, where the grouped products do not reach.
         local = flat - self.first_expert if self.first_expert else flat

@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import EngineConfig
-from actors.engine.executor import Executor, with_rank_exports
+from actors.engine.executor import EXPERT_TOKENS_TIMEOUT_S, Executor, with_rank_exports
 from actors.errors import ExecutorFailure
 from actors.log import get_logger
 from actors.remote.shard_actor import ModelShardActor, ShardConfigError, ShardInfo
@@ -130,6 +130,22 @@ class RayExecutor(Executor):
         if self._shards:
             self._gather([s.remove_lora.remote(name) for s in self._shards], self.start_timeout_s, "remove_lora")
 
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+        """Rank 0's counts: every rank routes every token (``SparseMoE``), so they are the model's.
+
+        () while the group is down or rank 0 does not answer in time; a
+        failure here leaves the group alone (the step path notices a dead shard).
+        """
+        shards = self._shards  # restart() swaps in a new list on the engine thread; an unstarted shard answers ()
+        if not shards:
+            return ()
+        try:
+            counts: tuple[tuple[int, ...], ...] = ray.get(shards[0].expert_tokens.remote(),
+                                                          timeout=EXPERT_TOKENS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a dead or busy shard: no counts this time
+            return ()
+        return counts
+
     def _add_lora_on_shards(self, name: str, path: str) -> LoRAInfo:
         """Every shard reads its share; one refusal removes it from the others and raises (the group stays up)."""
         if not self._shards:
@@ -163,7 +179,7 @@ class RayExecutor(Executor):
         self._pg = self._place()
         for rank in range(self.world_size):
             options: dict[str, Any] = {
-                # serve_steps() holds one thread for the group's life; ping() needs another.
+                # serve_steps() holds one thread for the group's life; ping() and expert_tokens() share another.
                 "max_concurrency": 2,
                 "num_cpus": 0 if self._on_cuda else 1,
                 "num_gpus": 1 if self._on_cuda else 0,

@@ -30,7 +30,7 @@ from actors.engine.disaggregation import (
     add_prefilled,
     start_prefill,
 )
-from actors.engine.executor import Executor, LocalExecutor
+from actors.engine.executor import EXPERT_TOKENS_TIMEOUT_S, Executor, LocalExecutor
 from actors.engine.llm_engine import LLMEngine
 from actors.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
 from actors.engine.stats import EngineStats, LatencyWindow, snapshot
@@ -237,8 +237,21 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ state
     async def stats(self) -> EngineStats:
-        """A snapshot between steps (engine state only changes on this event loop)."""
-        return snapshot(self._engine, self._latency)
+        """A snapshot between steps (engine state only changes on this event loop).
+
+        The expert counts are read first on a worker thread, beside any step
+        (not on the engine thread: a stats call must not wait for a forward or
+        an executor restart); a read that fails or takes longer than
+        ``EXPERT_TOKENS_TIMEOUT_S`` leaves them out of this snapshot.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            experts = await asyncio.wait_for(loop.run_in_executor(None, self._engine.executor.expert_tokens),
+                                             EXPERT_TOKENS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - metrics only: the rest of the snapshot still answers
+            logger.debug("expert counts unavailable", exc_info=True)
+            experts = ()
+        return snapshot(self._engine, self._latency, experts)
 
     async def health(self) -> HealthStatus:
         """Not ok while the executor is being restarted (or could not be)."""

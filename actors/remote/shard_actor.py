@@ -139,6 +139,10 @@ class ModelShardActor:
         if self._runner is not None:
             self._runner.remove_lora(name)
 
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+        """This rank's expert counts (``ModelRunner.expert_tokens``), read beside ``serve_steps``; () before start()."""
+        return () if self._runner is None else self._runner.expert_tokens()
+
     def open_channel(self, key: bytes) -> ChannelAddress:
         """Listen for the executor's step channel on this node; ``key`` authenticates it."""
         self._channel = StepServer(node_ip(), key)

@@ -16,6 +16,12 @@ to and read from the pool's pad page, which no sequence owns), then replays
 the graph of the smallest size ``>= n`` and keeps the first ``n`` rows of its
 output. Every other step (prefill, chunks, drafts) runs eagerly as before.
 
+Mixture-of-experts layers count each token's routing choices
+(``SparseMoE.expert_tokens``, the expert-load metrics); padding rows must not
+count, so ``real_rows`` (1 for the step's rows, 0 for padding, filled on the
+device each step) weighs them in every forward here, the captured ones
+included (a dense model has no such layer and skips the fill).
+
 ``capture=False`` (the CPU, where there are no graphs) runs the model
 eagerly over exactly those buffers: the path a graph replays is then tested
 on the CPU, token for token against the dynamic path, and a CUDA device only
@@ -29,11 +35,13 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from actors.log import get_logger
+from actors.models.moe import SparseMoE
 from kvcache.attention.backend import AttentionBackend, StepLayout
 from kvcache.device_copy import copy_from_host
 
@@ -79,6 +87,8 @@ class DecodeGraphs:
         device: where the buffers live.
         capture: record a CUDA graph per batch size now (CUDA only); else
             every step runs eagerly over the buffers.
+        moe_blocks: the model's mixture-of-experts layers, which count only
+            the real rows of the forwards here.
     """
 
     def __init__(
@@ -90,6 +100,7 @@ class DecodeGraphs:
         max_pages_per_seq: int,
         device: torch.device,
         capture: bool,
+        moe_blocks: Sequence[SparseMoE] = (),
     ) -> None:
         if not attn.supports_static_decode:
             raise ValueError(f"{type(attn).__name__} has no static-shape decode")
@@ -101,6 +112,9 @@ class DecodeGraphs:
         attn.enable_static_decode(self.sizes, max_pages_per_seq)
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(self.sizes[-1], dtype=torch.long, device=device)
+        # All zero while capturing: the warm-up and captured forwards count no routing choice.
+        self.real_rows = torch.zeros(self.sizes[-1], dtype=torch.long, device=device)
+        self._moe_blocks = tuple(moe_blocks)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps run through this path (captured or eager)
@@ -133,13 +147,26 @@ class DecodeGraphs:
         pad = [0] * (size - n)
         copy_from_host(self.input_ids[:size], input_ids + pad)
         copy_from_host(self.positions[:size], positions + pad)
+        if self._moe_blocks:  # two fills queued on the device: no host copy, no wait
+            self.real_rows[:n].fill_(1)
+            self.real_rows[n:size].fill_(0)
         self.attn.plan_static_decode(size, layout)
         self.replays += 1
         graph = self._graphs.get(size)
         if graph is None:
-            return self.model(self.input_ids[:size], self.positions[:size], self.attn)[:n]
+            return self._forward(size)[:n]
         graph.replay()
         return self._outputs[size][:n]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first ``size`` rows of the buffers, its MoE layers counting ``real_rows``."""
+        for block in self._moe_blocks:
+            block.count_rows = self.real_rows
+        try:
+            return self.model(self.input_ids[:size], self.positions[:size], self.attn)
+        finally:
+            for block in self._moe_blocks:
+                block.count_rows = None  # other steps' forwards count every row
 
     def _capture(self, device: torch.device) -> None:
         """One graph per size, the largest first (the smaller ones then reuse its memory pool).
@@ -155,15 +182,14 @@ class DecodeGraphs:
         side = torch.cuda.Stream(device)
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                ids, pos = self.input_ids[:size], self.positions[:size]
                 self.attn.plan_static_decode(size, empty)
                 side.wait_stream(torch.cuda.current_stream(device))  # after the plan's copies
                 with torch.cuda.stream(side):
-                    self.model(ids, pos, self.attn)
+                    self._forward(size)
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[size] = self.model(ids, pos, self.attn)
+                    self._outputs[size] = self._forward(size)
                 self._graphs[size] = graph
         torch.cuda.synchronize(device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",

@@ -197,13 +197,16 @@ class ModelRunner:
                 m.model.layers, max_loras=config.max_loras, max_rank=config.max_lora_rank,
                 max_cpu_loras=config.resolved_max_cpu_loras(), dtype=self.dtype, device=self.device,
             )  # fmt: skip
+        # The expert-load counters are read on a stream of their own (expert_tokens); None: no MoE layer or no CUDA.
+        moe_blocks = m.moe_blocks()
+        self._counts_stream = torch.cuda.Stream(self.device) if moe_blocks and self.device.type == "cuda" else None
         # Last: capturing runs the model, which must be complete.
         self.graphs: DecodeGraphs | None = None
         if config.resolved_cuda_graphs():
             self.graphs = DecodeGraphs(
                 self.model, self.attn, max_num_seqs=config.max_num_seqs,
                 max_pages_per_seq=-(-config.max_model_len // config.page_size), device=self.device,
-                capture=self.device.type == "cuda",
+                capture=self.device.type == "cuda", moe_blocks=moe_blocks,
             )  # fmt: skip
 
     @property
@@ -219,6 +222,24 @@ class ModelRunner:
     def remove_lora(self, name: str) -> None:
         if self.lora is not None:
             self.lora.remove(name)
+
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+        """Per MoE layer (in layer order), per expert, the tokens routed to it since load; () for a dense model.
+
+        For the metrics, from any thread, beside a running step and never in
+        it (no step waits for this read): on CUDA the read runs on a stream of
+        its own, so it waits for no forward queued on the step's stream and
+        sees the counts as the device holds them now, perhaps mid-step, as
+        on the CPU. Every rank counts every token (``SparseMoE``).
+        """
+        stream = self._counts_stream
+        if stream is None:
+            counts = self.model.expert_tokens()
+            return () if counts is None else tuple(map(tuple, counts.tolist()))
+        with torch.cuda.stream(stream):
+            counts = self.model.expert_tokens()
+            assert counts is not None  # the stream exists only for a model with MoE layers
+            return tuple(map(tuple, counts.tolist()))  # waits for this stream only
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:

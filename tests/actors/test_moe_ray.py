@@ -1,4 +1,5 @@
-"""MoE models on Ray shard actors: TP=2 (every expert sliced) and EP=2 (experts spread whole) equal TP=1.
+"""MoE models on Ray shard actors: TP=2 (every expert sliced) and EP=2 (experts spread whole) equal TP=1,
+in tokens and in the expert counts the executor reads from rank 0.
 
 One local Ray cluster for the module; every engine started here is shut down by its test.
 """
@@ -29,11 +30,18 @@ def _tokens(llm: LLM) -> list[list[int]]:
 def test_tp2_and_ep2_on_ray_equal_tp1(ray_cluster: None, tmp_path: Path, family: str) -> None:
     folder = write_checkpoint(tmp_path / family, FAMILY_CONFIGS[family](), seed=2)
     build_tokenizer().save_pretrained(folder)
-    expected = _tokens(LLM(str(folder), **ENGINE))
+    reference = LLM(str(folder), **ENGINE)
+    try:
+        expected = _tokens(reference)
+        expected_counts = reference.engine.executor.expert_tokens()
+    finally:
+        reference.shutdown()
     for expert_parallel in (False, True):
         llm = LLM(str(folder), tensor_parallel_size=2, executor="ray", expert_parallel=expert_parallel, **ENGINE)
         try:
             assert _tokens(llm) == expected, f"expert_parallel={expert_parallel}"
+            # Every rank routes every token: rank 0's counts (read through the executor) are TP=1's.
+            assert llm.engine.executor.expert_tokens() == expected_counts, f"expert_parallel={expert_parallel}"
             sched = llm.engine.scheduler
             if sched.cache is not None:
                 sched.cache.reset()

@@ -33,6 +33,7 @@ from kvcache.kv_transfer import KVPayload, RankPayloads
 from scheduling.batch import Batch, StepOutput, TokenMasks
 from scheduling.sampling_params import SamplingParams
 from scheduling.spec_config import SpeculativeConfig
+from tests.actors.checkpoints import mixtral_config, write_checkpoint
 from tests.actors.sync_guard import HostSyncCounter
 from tests.kvcache import flashinfer_emulator
 
@@ -303,6 +304,18 @@ def test_static_decode_waits_once(tiny: Path, monkeypatch: pytest.MonkeyPatch) -
     for kind, counter, _ in results:
         assert counter.calls == [] and counter.allowed == 1, (kind, counter.calls, counter.allowed)
     assert all(counter.kernel_calls for _, counter, _ in results)  # the emulator did read: they were set aside
+
+
+def test_static_decode_of_a_moe_model_waits_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting the experts' tokens (padding rows weighed 0 on the device) adds no wait to a static decode step."""
+    monkeypatch.setattr(sampler_module, "_reads_are_free", lambda device: False)
+    model = write_checkpoint(tmp_path / "mixtral", mixtral_config(), seed=1)
+    runner = make_runner(model, "cpu", attention_backend="flashinfer", attention_kernels=flashinfer_emulator,
+                         cuda_graphs=True)  # fmt: skip
+    for kind, counter, _ in _static_decode_steps(runner, kernel_files=(flashinfer_emulator.__file__,)):
+        assert counter.calls == [] and counter.allowed == 1, (kind, counter.calls, counter.allowed)
+    # 46 prompt tokens, then 3 and 2 decoded (padded to 4 and 2): 51 tokens, top-2, in each of the 2 layers.
+    assert [sum(layer) for layer in runner.expert_tokens()] == [102, 102]
 
 
 def test_runner_takes_the_cuda_attention_path(tiny: Path) -> None:

@@ -315,3 +315,36 @@ def test_kv_tier_counters_reach_the_exposition_per_tier() -> None:
     assert s[("flotilla:kv_tier_bytes_read_total", (("tier", "cluster"),))] == 600
     assert s[("flotilla:kv_tier_bytes", (("tier", "host"),))] == 650  # a gauge: what is held now
     assert not any(labels == (("tier", "engine"),) for _, labels in s)  # the engine's counts are not a tier
+
+
+
+def test_moe_expert_counters_sum_layers_and_the_imbalance_gauge_waits_for_a_full_window() -> None:
+    rm = ReplicaMetrics("moe", "r1", export_to_ray=False)
+    assert not any(name.startswith("flotilla:moe_") for name, _ in samples(rm.render()))  # nothing until known
+
+    def update(*layers: tuple[int, ...]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        rm.update(stats(moe_expert_tokens=layers))
+        return samples(rm.render())
+
+    def per_expert(s: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[float]:
+        return [s[("flotilla:moe_expert_tokens_total", (("expert", str(e)),))] for e in range(4)]
+
+    s = update((2, 2, 2, 2), (1, 1, 2, 4))
+    assert per_expert(s) == [3, 3, 4, 6]  # summed over the layers
+    assert ("flotilla:moe_expert_load_imbalance", ()) not in s  # too few tokens for the ratio to mean much
+    # A full window (4 experts x MOE_WINDOW_MEAN_TOKENS per layer) since the start: layer 1's expert 3
+    # has twice its layer's mean, layer 0 is even.
+    q = m.MOE_WINDOW_MEAN_TOKENS
+    even, hot = (2 + q,) * 4, (1 + q // 2, 1 + q // 2, 2 + q, 4 + 2 * q)
+    s = update(even, hot)
+    assert s[("flotilla:moe_expert_load_imbalance", ())] == 2.0
+    assert per_expert(s) == [3 + 3 * q // 2, 3 + 3 * q // 2, 4 + 2 * q, 6 + 3 * q]
+    # The next window starts there: a short one leaves the gauge alone, a full even one brings it to 1.
+    assert update((3 + q, *even[1:]), (*hot[:2], hot[2] + 1, hot[3]))[("flotilla:moe_expert_load_imbalance", ())] == 2.0
+    s = update(tuple(n + q for n in even), tuple(n + q for n in hot))
+    assert s[("flotilla:moe_expert_load_imbalance", ())] == 1.0
+    # A restarted engine counts from zero: the counters add its counts, its window starts at zero.
+    before = per_expert(s)
+    s = update((q, q, q, 4 * q), (q, q, q, q))
+    assert per_expert(s) == [n + 2 * q for n in before[:3]] + [before[3] + 5 * q]
+    assert s[("flotilla:moe_expert_load_imbalance", ())] == pytest.approx(16 / 7)  # layer 0: 4q of 7q over 4 experts

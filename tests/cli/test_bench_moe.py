@@ -32,7 +32,7 @@ def test_a_small_run_prints_both_models_and_their_ratios(tmp_path: Path) -> None
     for name in ("moe", "dense"):
         figures = out[name]
         for key in ("output_tok_per_s", "total_tok_per_s", "prefill_tok_per_s", "decode_step_ms",
-                    "decode_bytes_per_step"):
+                    "decode_step_ms_batch1", "decode_bytes_per_step", "decode_bytes_per_step_batch1"):
             assert figures[key] > 0, (name, key)
         assert Path(figures["model"]).parent == tmp_path / "models"
     assert out["moe"]["expected_experts_per_layer"]["batch1"] == SMALL.top_k
@@ -42,6 +42,8 @@ def test_a_small_run_prints_both_models_and_their_ratios(tmp_path: Path) -> None
     assert out["ratio_output_tok_per_s"] == pytest.approx(
         out["moe"]["output_tok_per_s"] / out["dense"]["output_tok_per_s"], rel=1e-3)
     assert out["ratio_decode_bytes_per_step"] > 1  # batch 4 touches more than top-k experts per layer
+    # Alone, a token reads its top-k experts: the same expert bytes as the dense MLP (plus the router).
+    assert out["ratio_decode_bytes_per_step_batch1"] == pytest.approx(1.0, abs=0.02)
     json.dumps(out)
     # A second run finds the written folders (named by their config and seed) and writes nothing.
     again = run(shape=SMALL, models_root=tmp_path, **RUN)

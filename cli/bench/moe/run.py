@@ -9,7 +9,10 @@ both alike, and after one untimed warm-up pass each:
   ids and ``max_tokens`` output tokens (ignore_eos) through ``LLM.generate``:
   output tok/s and total (prompt + output) tok/s;
 - **steps** (``cli.bench.decode_steps``): the same prompts prefilled (prompt
-  tok/s), then ``steps`` decode steps of the full batch, each timed.
+  tok/s), then ``steps`` decode steps of the full batch, each timed; and
+  ``steps`` decode steps of the first prompt alone (batch 1: a token's top-k
+  experts are all a MoE layer reads, so there the two models read about the
+  same bytes).
 
 Reported: the medians over runs, their ratios (MoE / dense), and what
 explains them, from ``flotilla plan``'s arithmetic on the two configs:
@@ -59,8 +62,8 @@ def _arithmetic(config: dict[str, Any], *, dtype: str, context: int, batch: int)
                for b in (1, batch)}
     return {"total_params": params.total, "active_params": params.active,
             "expected_experts_per_layer": experts,
-            "decode_bytes_per_step": decode_bytes_per_step(arch, dtype=dtype, kv_dtype=dtype, context=context,
-                                                           batch=batch)}
+            **{key: decode_bytes_per_step(arch, dtype=dtype, kv_dtype=dtype, context=context, batch=b)
+               for key, b in (("decode_bytes_per_step", batch), ("decode_bytes_per_step_batch1", 1))}}
 
 
 def run(*, shape: PairShape, batch: int = 32, prompt_len: int = 64, max_tokens: int = 64, steps: int = 16,
@@ -80,7 +83,8 @@ def run(*, shape: PairShape, batch: int = 32, prompt_len: int = 64, max_tokens: 
                "max_num_seqs": batch}
     prompts = random_prompts(batch, prompt_len, configs["moe"].vocab_size, seed)
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)] * batch
-    per_run: dict[str, dict[str, list[float]]] = {m: {"output": [], "total": [], "prefill": [], "step": []}
+    per_run: dict[str, dict[str, list[float]]] = {m: {"output": [], "total": [], "prefill": [], "step": [],
+                                                         "step1": []}
                                                  for m in MODELS}
     _status(f"loading {folders['moe']} and {folders['dense']}")
     with offline_engine({**options, "model": str(folders["moe"])}) as moe_llm, \
@@ -98,6 +102,8 @@ def run(*, shape: PairShape, batch: int = 32, prompt_len: int = 64, max_tokens: 
                     times = decode_pass(llm.engine, f"run{r}-{name}", prompts, steps)
                     figures["prefill"].append(times.prompt_tokens / times.prefill_s)
                     figures["step"].append(median_ms(times.step_s))
+                    alone = decode_pass(llm.engine, f"run{r}-{name}-batch1", prompts[:1], steps)
+                    figures["step1"].append(median_ms(alone.step_s))
                     bar.update(1)
                     if not progress:
                         _status(f"run {r + 1}/{runs} {name}: {timed.tok_per_s:.1f} output tok/s, "
@@ -115,12 +121,16 @@ def run(*, shape: PairShape, batch: int = 32, prompt_len: int = 64, max_tokens: 
                      "total_tok_per_s": round(med["total"], 1),
                      "prefill_tok_per_s": round(med["prefill"], 1),
                      "decode_step_ms": round(med["step"], 3),
+                     "decode_step_ms_batch1": round(med["step1"], 3),
                      **_arithmetic(configs[name].to_dict(), dtype=PLAN_DTYPES[dtype], context=context, batch=batch)}
     moe, dense = out["moe"], out["dense"]
     out["ratio_output_tok_per_s"] = ratio(moe["output_tok_per_s"], dense["output_tok_per_s"])
     out["ratio_prefill_tok_per_s"] = ratio(moe["prefill_tok_per_s"], dense["prefill_tok_per_s"])
     out["ratio_decode_step_ms"] = ratio(moe["decode_step_ms"], dense["decode_step_ms"])
     out["ratio_decode_bytes_per_step"] = ratio(moe["decode_bytes_per_step"], dense["decode_bytes_per_step"])
+    out["ratio_decode_step_ms_batch1"] = ratio(moe["decode_step_ms_batch1"], dense["decode_step_ms_batch1"])
+    out["ratio_decode_bytes_per_step_batch1"] = ratio(moe["decode_bytes_per_step_batch1"],
+                                                      dense["decode_bytes_per_step_batch1"])
     out["ratio_total_params"] = ratio(moe["total_params"], dense["total_params"])
     out["ratio_active_params"] = ratio(moe["active_params"], dense["active_params"])
     return out

@@ -23,6 +23,8 @@
                                       decode streams + long prompts, colocated vs P/D-disaggregated (JSON)
   flotilla bench lora --model M [--json]
                                       step time with 1, 8, 32 LoRA adapters vs the base; slot cycling (JSON)
+  flotilla bench moe [--json]
+                                      a MoE model against a dense one of the same active parameters, batch 32 (JSON)
 
 Imports: the parser modules are light and imported here; each benchmark's
 runner (torch, Ray, the app) is imported when its subcommand runs, so that
@@ -39,6 +41,7 @@ from collections.abc import Sequence
 from cli.bench.registry import BENCHES
 from cli.plan.cli import add_plan_parser
 from cli.serve import add_serve_parser
+from cli.simulate import add_simulate_parser
 from scheduling.errors import InvalidParameterError
 
 
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_parser(sub)
     add_serve_parser(sub)
+    add_simulate_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -76,6 +76,7 @@ from transformers import (
 from actors.engine.llm_engine import LLMEngine
 from actors.load.embedded import build_tokenizer, ensure_embedded_model
 from apps.llm import LLM
+from cli.plan.hardware import GPUS
 from kvcache.attention.flashinfer import (
     FlashInferKernels,
     load_flashinfer,
@@ -84,11 +85,11 @@ from scheduling.sampling_params import SamplingParams
 from tests.kvcache import flashinfer_emulator
 from tests.kvcache.test_flashinfer_backend import Pair
 
-# Issue 40's reference machine: the H200's HBM bandwidth (its datasheet) and its bf16 matrix rate
-# (as measured on this workplace's H200s, KINDS.md). MBU and the roofline are against these.
-PEAK_BANDWIDTH = 4.8e12
-PEAK_BF16_FLOPS = 790e12
+# Issue 40's reference machine (cli.plan.hardware.GPUS holds its bandwidth and bf16 rate).
+# MBU and the roofline are against these.
 REFERENCE_CARD = "H200"
+PEAK_BANDWIDTH = GPUS[REFERENCE_CARD].bandwidth_bytes_per_s
+PEAK_BF16_FLOPS = GPUS[REFERENCE_CARD].bf16_flops
 
 PAGE_SIZE = 16
 BF16_BYTES = 2

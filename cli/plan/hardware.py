@@ -27,10 +27,15 @@ QUANTIZED_DTYPES = frozenset({"fp8", "int8", "int4"})
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One accelerator model. ``memory_bytes`` is the nominal capacity in GB (1e9)."""
+    """One accelerator model. ``memory_bytes`` is the nominal capacity in GB (1e9);
+    ``bandwidth_bytes_per_s`` its memory bandwidth and ``bf16_flops`` its dense bf16
+    matrix rate, from the datasheets unless a comment says measured (the roofline
+    profiles of ``cli.simulate.profile``)."""
 
     name: str
     memory_bytes: int
+    bandwidth_bytes_per_s: float
+    bf16_flops: float
 
 
 @dataclass(frozen=True)
@@ -138,12 +143,13 @@ def windowed_layers(num_layers: int, pattern: int) -> tuple[int, ...]:
 # Nominal (marketed) capacities. Real cards report a little more (an A100-80G
 # has 80 GiB = 85.9 GB), so plans made with these are slightly conservative.
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("A100-40G", 40 * 10**9),
-    GpuSpec("A100-80G", 80 * 10**9),
-    GpuSpec("H100", 80 * 10**9),
-    GpuSpec("H200", 141 * 10**9),
-    GpuSpec("L4", 24 * 10**9),
-    GpuSpec("RTX-4090", 24 * 10**9),
+    GpuSpec("A100-40G", 40 * 10**9, 1.555e12, 312e12),
+    GpuSpec("A100-80G", 80 * 10**9, 2.039e12, 312e12),
+    GpuSpec("H100", 80 * 10**9, 3.35e12, 989e12),
+    # bf16 rate as measured on this workplace's H200s (KINDS.md), not the datasheet's 989e12.
+    GpuSpec("H200", 141 * 10**9, 4.8e12, 790e12),
+    GpuSpec("L4", 24 * 10**9, 0.3e12, 121e12),
+    GpuSpec("RTX-4090", 24 * 10**9, 1.008e12, 165e12),
 )}
 
 # Numbers as published in each model's config.json on the Hugging Face hub.

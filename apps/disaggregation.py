@@ -78,8 +78,8 @@ from actors.engine.stats import EngineStats, LatencyWindow
 from actors.remote.scheduler_handle import ActorScheduler, SchedulerHandle
 from apps.detached import detached
 from apps.errors import APIError
-from apps.replica_stats import HEALTH_TIMEOUT_S, STATS_TIMEOUT_S, recent_latency_window
-from cluster.autoscaling_metrics import autoscaling_stats
+from apps.replica_stats import HEALTH_TIMEOUT_S, STATS_TIMEOUT_S
+from cluster.autoscaling_metrics import autoscaling_stats, recent_latency_window
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 

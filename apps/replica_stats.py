@@ -17,7 +17,8 @@ what ``stats()`` and ``/metrics`` show) is bounded by count (the last 1024
 sequences), which at a few requests per second is many minutes of history: a
 burst long gone would still read as a breach and keep the fleet scaling up.
 So the autoscaler reads the replica's window instead, the same class bounded
-also by age (sequences finished in the last ``LATENCY_WINDOW_S`` seconds),
+also by age (``cluster.autoscaling_metrics.recent_latency_window``: sequences finished in the last
+``LATENCY_WINDOW_S`` seconds),
 fed with every step's deltas by the observer ``latency_observer`` returns
 (and reads 0 while the engine has no work: then no request is waiting).
 ``LLMServer`` builds its ``StreamFanout`` with it.
@@ -34,17 +35,11 @@ from actors.engine.outputs import SequenceDelta
 from actors.engine.stats import EngineStats, LatencyWindow
 from actors.remote.scheduler_handle import SchedulerHandle
 from apps.stream_fanout import StreamFanout
-from cluster.autoscaling_metrics import autoscaling_stats
+from cluster.autoscaling_metrics import autoscaling_stats, recent_latency_window
 from cluster.request_router import ROUTING_LORAS, ROUTING_NUM_OPEN, ROUTING_SERVED_MODEL
 
 STATS_TIMEOUT_S = 5.0  # below Serve's 10 s limit on record_autoscaling_stats
 HEALTH_TIMEOUT_S = 10.0  # a replica's wait for its scheduler's health or stats (check_health, /health, /metrics)
-LATENCY_WINDOW_S = 10.0
-
-
-def recent_latency_window() -> LatencyWindow:
-    """The replica's window: the last ``LATENCY_WINDOW_S`` seconds (at most 4096 sequences)."""
-    return LatencyWindow(4096, max_age_s=LATENCY_WINDOW_S)
 
 
 class ReplicaStats:

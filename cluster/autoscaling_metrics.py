@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine.stats import EngineStats
+from actors.engine.stats import EngineStats, LatencyWindow
 
 # Keys of the custom metrics a replica reports through ``record_autoscaling_stats``.
 METRIC_NUM_WAITING = "flotilla_num_waiting"
@@ -20,6 +20,14 @@ METRIC_KV_USAGE = "flotilla_kv_usage"
 METRIC_TTFT_P95_MS = "flotilla_ttft_ms_p95"
 METRIC_TPOT_P95_MS = "flotilla_tpot_ms_p95"
 METRIC_NUM_WAITING_PROMPT_TOKENS = "flotilla_num_waiting_prompt_tokens"
+# The recent-latency window a replica reports P95s over (``apps.replica_stats`` explains why it is bounded by age).
+LATENCY_WINDOW_S = 10.0
+
+
+def recent_latency_window() -> LatencyWindow:
+    """A replica's window: the last ``LATENCY_WINDOW_S`` seconds (at most 4096 sequences); the simulator's
+    replicas (``cli.simulate``) keep the same one."""
+    return LatencyWindow(4096, max_age_s=LATENCY_WINDOW_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from cli.bench.lora import LoRABench
 from cli.bench.moe import MoEBench
 from cli.bench.offline import OfflineBench
 from cli.bench.pd import PDBench
+from cli.bench.profile import ProfileBench
 from cli.bench.ray_overhead import RayOverheadBench
 from cli.bench.scheduler import SchedulerBench
 from cli.bench.serve import ServeBench
@@ -58,6 +59,7 @@ BENCHES: tuple[Bench, ...] = (
     LoRABench(),
     KVTiersBench(),
     MoEBench(),
+    ProfileBench(),
     SchedulerBench(),
     OfflineBench(),
     RayOverheadBench(),

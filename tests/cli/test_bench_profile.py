@@ -1,0 +1,44 @@
+"""``flotilla bench profile``: the fit recovers a known model; a small run on tiny makes a profile simulate reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli.bench.profile.run import fit, run
+from cli.main import main
+from cli.simulate.profile import LinearProfile, StepShape, load_profile
+
+
+def test_the_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
+    truth = (0.002, 5e-5, 2e-5, 1e-3, 3e-7, 1e-8)
+    shapes = [StepShape(t, 1, 1, t, t * t, t * t) for t in (16, 64, 256, 1024)]
+    shapes += [StepShape(b, b, 0, b * c, b * c, 0) for b in (1, 8, 32) for c in (64, 1024)]
+
+    def seconds(s: StepShape, c: tuple[float, ...]) -> float:
+        return c[0] + c[1] * s.tokens + c[2] * s.seqs + c[3] * s.prefills + c[4] * s.context_tokens + c[5] * s.prefill_pairs
+
+    got = fit([(s, seconds(s, truth)) for s in shapes])
+    assert got == pytest.approx(truth, rel=1e-6)
+    # Times that fall with sequences: the fit drops that term instead of making it negative.
+    bent = fit([(s, seconds(s, truth) - 1e-6 * s.seqs) for s in shapes])
+    assert min(bent) >= 0
+
+
+def test_a_small_run_writes_a_profile_simulate_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = run("tiny", runs=1, steps=2, prefill_tokens=(16, 64, 128), decode_batches=(1, 4), decode_contexts=(32, 96))
+    assert len(out["points"]) == 3 + 2 * 2
+    profile = out["profile"]
+    assert profile["kind"] == "linear" and profile["capacity"]["max_num_seqs"] == 4
+    assert all(profile[k] >= 0 for k in ("overhead_s", "per_token_s", "per_seq_s", "per_prefill_s",
+                                          "per_context_token_s", "per_prefill_pair_s"))
+    assert all(p["ms"] > 0 for p in out["points"]) and out["fit_max_rel_error"] >= 0
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    loaded = load_profile(path)
+    assert isinstance(loaded, LinearProfile) and loaded.capacity.max_num_seqs == 4
+    assert main(["simulate", "--trace", "poisson:rate=2,minutes=0.2,prompt_tokens=32,output_tokens=8",
+                 "--profile", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["finished"] > 0

@@ -60,10 +60,15 @@ class FleetConfig:
     startup_s: float = 30.0  # from the scale-up decision to a replica taking requests
     tick_s: float = 1.0
     initial_replicas: int | None = None  # None: min_replicas (at least 1)
+    # Replicas sharing one host's CPU cores (a CPU machine; None: each replica has its own device): a step
+    # that starts while b replicas are stepping takes max(1, b / host_cores) times the profile's time.
+    host_cores: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("flotilla", "default"):
             raise InvalidParameterError("policy", f"must be flotilla or default, got {self.policy!r}")
+        if self.host_cores is not None and not (self.host_cores > 0 and math.isfinite(self.host_cores)):
+            raise InvalidParameterError("host_cores", f"must be a positive number, got {self.host_cores!r}")
         for name in ("startup_s", "tick_s", "target_ongoing_requests"):
             value = getattr(self, name)
             if not (value >= 0 if name == "startup_s" else value > 0) or not math.isfinite(value):
@@ -111,6 +116,7 @@ class Fleet:
         self._order = itertools.count()
         self._pending: list[tuple[str, Arrival]] = []
         self._state = PolicyState()
+        self._busy = 0  # replicas stepping now
         self._default_since: tuple[int, float] | None = None  # the default policy's (wanted count, since)
         self.scale_events: list[ScaleEvent] = []
 
@@ -142,8 +148,12 @@ class Fleet:
             self._start(replica, now)
 
     def _start(self, replica: SimReplica, now: float) -> None:
-        end = replica.start_step(now)
+        slowdown = 1.0
+        if self.config.host_cores is not None:
+            slowdown = max(1.0, (self._busy + 1) / self.config.host_cores)
+        end = replica.start_step(now, slowdown)
         if end is not None:
+            self._busy += 1
             self._push(end, _STEP, replica)
         elif replica.draining and not replica.tracked:
             replica.stopped = now
@@ -218,6 +228,7 @@ class Fleet:
             elif kind == _STEP:
                 assert isinstance(payload, SimReplica)
                 steps += 1
+                self._busy -= 1
                 results.extend(payload.finish_step(now))
                 self._start(payload, now)
             elif kind == _READY:

@@ -75,8 +75,9 @@ class SimReplica:
         self.scheduler.add(Request(rid, [0] * prompt_tokens, params))
         self.tracked[rid] = Tracked(now, prompt_tokens)
 
-    def start_step(self, now: float) -> float | None:
-        """Schedule a step at ``now``; its end time, or None when there is nothing to run."""
+    def start_step(self, now: float, slowdown: float = 1.0) -> float | None:
+        """Schedule a step at ``now``, taking ``slowdown`` times the profile's time (replicas sharing a host's
+        cores); its end time, or None when there is nothing to run."""
         batch = self.scheduler.schedule()
         if batch is None:
             self.busy_until = None
@@ -91,7 +92,7 @@ class SimReplica:
                           context_tokens=sum(batch.context_lens), attention_pairs=pairs, prefill_pairs=prefill_pairs)
         self._batch = batch
         self.steps += 1
-        self.busy_until = now + self.profile.step_seconds(shape)
+        self.busy_until = now + self.profile.step_seconds(shape) * slowdown
         return self.busy_until
 
     def finish_step(self, now: float) -> list[RequestResult]:

@@ -127,6 +127,16 @@ def read_jsonl(path: Path) -> list[Arrival]:
     return sorted(out, key=lambda a: a.t)
 
 
+def write_jsonl(arrivals: list[Arrival], path: Path) -> Path:
+    """The JSONL form ``read_jsonl`` reads (``flotilla bench autoscale --trace-out`` writes its requests so)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for a in arrivals:
+            f.write(json.dumps({"t": round(a.t, 6), "prompt_tokens": a.prompt_tokens,
+                                "output_tokens": a.output_tokens}) + "\n")
+    return path
+
+
 def load_trace(trace: str) -> list[Arrival]:
     """A JSONL path, or a generator spec."""
     path = Path(trace)

@@ -171,3 +171,15 @@ def test_the_command_prints_the_issue_keys(tmp_path: Path, capsys: pytest.Captur
 def test_bad_profiles_are_refused_by_name(argv: list[str], param: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--trace", "poisson:rate=1,minutes=1", *argv]) == 2
     assert param in capsys.readouterr().err
+
+
+def test_replicas_sharing_host_cores_slow_each_other_down() -> None:
+    """Two replicas on one core: the second step to start while the first runs takes twice as long."""
+    config = FleetConfig(startup_s=0, initial_replicas=2, host_cores=1,
+                         autoscaling=AutoscalingConfig(min_replicas=2, max_replicas=2))
+    fleet = Fleet(_profile(0.01), config)
+    run = fleet.run([Arrival(0.0, 10, 1), Arrival(0.001, 10, 1)])
+    assert sorted(r.ttft_s for r in run.results) == pytest.approx([0.01, 0.02])
+    with pytest.raises(InvalidParameterError) as err:
+        FleetConfig(host_cores=0)
+    assert err.value.param == "host_cores"

@@ -49,6 +49,8 @@ class AutoscaleBench:
         a.add_argument("--settle-s", type=float, default=90.0, help="extra seconds to wait for the minimum")
         a.add_argument("--prompt-chars", type=int, default=64)
         a.add_argument("--max-tokens", type=int, default=128)
+        a.add_argument("--trace-out", default=None,
+                       help="write the requests sent as a JSONL trace for `flotilla simulate --trace`")
         r = sp.add_argument_group("routing mode")
         r.add_argument("--router", choices=("prefix", "default", "both"), default="both")
         r.add_argument("--workload", choices=("prefix", "unique"), default="prefix")

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,6 +20,7 @@ from cli.bench.autoscale.plot import plot_timeline
 from cli.bench.autoscale.profile import default_profile, run_profile, samples_json, summarize
 from cli.bench.autoscale.routing import build_workload, run_routing
 from cli.bench.harness import deploy, local_ray
+from cli.simulate.trace import Arrival, write_jsonl
 
 # Replicas share the node's cores: one torch thread each (their CPU reservations are fractional).
 ENGINE: dict[str, Any] = {"max_model_len": 2048, "max_num_batched_tokens": 512, "dtype": "float32",
@@ -69,6 +71,9 @@ def run_autoscale(args: argparse.Namespace, url: str,
         settle=lambda n: n is None or n == (args.min_replicas, 0), max_settle_s=args.settle_s))
     summary = summarize(result, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                         min_replicas=args.min_replicas, load_end_s=load_end)
+    if args.trace_out:  # what was sent, as `flotilla simulate --trace` reads it (prompt tokens from usage)
+        write_jsonl([Arrival(r.sent, r.prompt_tokens, args.max_tokens) for r in result.records if r.prompt_tokens],
+                    Path(args.trace_out))
     return summary, samples_json(result)
 
 

@@ -13,6 +13,17 @@ import json
 from pathlib import Path
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """``16,64,256`` -> (16, 64, 256): positive integers."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
 class ProfileBench:
     name = "profile"
     help = "this machine's step-time model of a model (prefill by tokens, decode by batch and context), for simulate"
@@ -28,6 +39,18 @@ class ProfileBench:
                             help="torch threads of the forward (default: every core)")
         parser.add_argument("--num-kv-pages", type=int, default=None,
                             help="the replica's KV pool the profile records (default: the engine's)")
+        parser.add_argument("--max-num-seqs", type=int, default=None,
+                            help="the replica's max_num_seqs (default: the largest decode batch)")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                            help="the replica's step budget (default: the largest prefill)")
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="the replica's max_model_len (default: what the shapes need)")
+        parser.add_argument("--prefill-tokens", type=_ints, default=None, metavar="N,N,...",
+                            help="prompt lengths timed as one prefill step (default 16,64,256,1024,2048)")
+        parser.add_argument("--decode-batches", type=_ints, default=None, metavar="B,B,...",
+                            help="decode batch sizes (default 1,4,16,32,64)")
+        parser.add_argument("--decode-contexts", type=_ints, default=None, metavar="C,C,...",
+                            help="decode context lengths (default 64,512,1536)")
         parser.add_argument("--out", default=None, help="also write the profile JSON here (simulate --profile)")
         parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
         parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is one JSON object")
@@ -36,8 +59,13 @@ class ProfileBench:
         from cli.bench.profile.run import run  # import cost (cli.bench.registry)
 
         engine = {k: v for k, v in (("dtype", args.dtype), ("cpu_threads", args.cpu_threads),
-                                    ("num_kv_pages", args.num_kv_pages)) if v is not None}
-        out = run(args.model, runs=args.runs, steps=args.steps, seed=args.seed, progress=args.progress, **engine)
+                                    ("num_kv_pages", args.num_kv_pages), ("max_num_seqs", args.max_num_seqs),
+                                    ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                    ("max_model_len", args.max_model_len)) if v is not None}
+        shapes = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("decode_batches", args.decode_batches),
+                                    ("decode_contexts", args.decode_contexts)) if v is not None}
+        out = run(args.model, runs=args.runs, steps=args.steps, seed=args.seed, progress=args.progress, **shapes,
+                  **engine)
         if args.out:
             path = Path(args.out)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,7 @@ class Fleet:
         self._pending: list[tuple[str, Arrival]] = []
         self._state = PolicyState()
         self._busy = 0  # replicas stepping now
-        self._default_since: tuple[int, float] | None = None  # the default policy's (wanted count, since)
+        self._default_since: tuple[int, float] | None = None  # the default policy's (direction, since)
         self.scale_events: list[ScaleEvent] = []
 
     # ---------------------------------------------------------------- events
@@ -174,8 +174,11 @@ class Fleet:
         if wanted == n:
             self._default_since = None
             return n, "hold"
-        since = self._default_since[1] if self._default_since and self._default_since[0] == wanted else now
-        self._default_since = (wanted, since)
+        # Serve counts consecutive decisions in one direction (its decision counter), not of one target:
+        # once the delay has passed it applies the latest target.
+        direction = 1 if wanted > n else -1
+        since = self._default_since[1] if self._default_since and self._default_since[0] == direction else now
+        self._default_since = (direction, since)
         delay = SERVE_DEFAULT_UPSCALE_DELAY_S if wanted > n else SERVE_DEFAULT_DOWNSCALE_DELAY_S
         if now - since < delay:
             return n, f"want {wanted}, waiting"

@@ -183,3 +183,15 @@ def test_replicas_sharing_host_cores_slow_each_other_down() -> None:
     with pytest.raises(InvalidParameterError) as err:
         FleetConfig(host_cores=0)
     assert err.value.param == "host_cores"
+
+
+def test_the_default_policy_acts_once_its_direction_held_for_the_delay() -> None:
+    """A load that keeps growing changes the wanted count every tick; Serve counts decisions by direction, so
+    the fleet still scales up once the upscale delay (30 s) has passed, to the latest count."""
+    trace = [Arrival(i * 0.05, 64, 400) for i in range(1200)]  # 20 req/s, each ~6 s on a replica of 1
+    fleet = Fleet(_profile(0.015, max_num_seqs=1),
+                  FleetConfig(policy="default", autoscaling=AutoscalingConfig(min_replicas=1, max_replicas=8),
+                              startup_s=0, target_ongoing_requests=2))
+    run = fleet.run(trace)
+    first = run.scale_events[0]
+    assert 30 <= first.t <= 32 and first.replicas == 8

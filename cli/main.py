@@ -23,6 +23,10 @@
                                       decode streams + long prompts, colocated vs P/D-disaggregated (JSON)
   flotilla bench lora --model M [--json]
                                       step time with 1, 8, 32 LoRA adapters vs the base; slot cycling (JSON)
+  flotilla bench profile --model M [--out P.json]
+                                      this machine's step-time model of a model, for simulate (JSON)
+  flotilla simulate --trace T (--profile P | --gpu G --model M) [--config C] [--png F]
+                                      a fleet in simulated time: real scheduler, router, autoscaler (JSON, PNG)
   flotilla bench moe [--json]
                                       a MoE model against a dense one of the same active parameters, batch 32 (JSON)
 

@@ -1,27 +1,31 @@
-"""The discrete-event simulation of a fleet: arrivals, the router, replicas' steps and the autoscaler.
+"""The discrete-event simulation of a fleet: arrivals, routers, replicas' steps, KV hand-offs and autoscalers.
 
 Simulated time only: nothing sleeps, so an hour of traffic takes as long as
-its scheduler work. Events, in time order (ties: in the order queued):
+its scheduler work. A fleet is one colocated pool, or with
+``disaggregation`` a prefill pool and a decode pool (``cli.simulate.pool``).
+Events, in time order (ties: in the order queued):
 
-- an **arrival** goes through the real router's choice
-  (``cluster.routing.PrefixRouterCore.choose``; a trace carries no text, so it
-  is always the power of two choices over the replicas' open requests, the
-  load figure real replicas report) to a ready replica that is not draining;
-  with none ready (all still starting) it waits at the proxy, as Serve's
-  handle queues it, and goes out when one is;
-- a replica's **step end** applies the step (``SimReplica``) and starts the
-  next one at once if there is work;
-- a **tick** (every ``tick_s``) reads every ready replica's load and asks the
-  policy for a replica count: ``flotilla`` is ``cluster.autoscaling.decide``
-  with its delays and hysteresis; ``default`` is Ray Serve's
-  ongoing-requests rule (``ceil(total ongoing / target_ongoing_requests)``,
-  the change held for ``upscale_delay_s`` / ``downscale_delay_s``, Serve's
-  defaults 30 s and 600 s). Up: new replicas are ready ``startup_s`` later.
-  Down: the replica with the fewest open requests drains (no new requests)
-  and stops when it has none, as Serve's graceful shutdown does.
+- an **arrival** goes to its pool (colocated; or prefill, unless its prompt
+  is shorter than ``remote_prefill_min_tokens``, which the decode pool
+  prefills itself, as ``apps.disaggregation`` does) through the real
+  router's choice, to a ready replica that is not draining; with none ready
+  it waits at the proxy, as Serve's handle queues it;
+- a replica's **step end** applies the step (``SimReplica``), starts the
+  next one at once if there is work, and ends requests: a prefill replica's
+  request has its first token, and its KV reaches the decode pool
+  ``prompt x kv_bytes_per_token / kv_transfer_bytes_per_s`` seconds later
+  (a **hand-off**), where it decodes the rest without recomputing its
+  prompt (the scheduler's KV import path); TTFT is when the decode replica
+  has it, as a client of the real app sees the first token then;
+- a **tick** (every ``tick_s``) asks each pool's policy for its replica
+  count: ``flotilla`` is ``cluster.autoscaling.decide`` on the pool's own
+  signals; ``default`` is Ray Serve's ongoing-requests rule
+  (``ceil(ongoing / target_ongoing_requests)``, held for Serve's 30 s up /
+  600 s down delays). New replicas are ready ``startup_s`` later; a replica
+  scaled away drains (no new requests) and stops when it has none.
 
 Replica-seconds count from when a replica is asked for until it stops. The
-run goes on after the last answer until the policy has scaled back to its
+run goes on after the last answer until every pool has scaled back to its
 minimum (the idle replicas of a slow scale-down are a real cost), bounded by
 ``MAX_TAIL_S`` past the last arrival; requests still open then are
 unfinished.
@@ -33,36 +37,59 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 from cli.bench.stream_client import RequestResult
-from cli.simulate.profile import StepProfile
+from cli.simulate.pool import Policy, Pool, ScaleEvent, Work
+from cli.simulate.profile import RooflineProfile, StepProfile
 from cli.simulate.replica import SimReplica
 from cli.simulate.trace import Arrival
-from cluster.autoscaling import PolicyState, decide
 from cluster.autoscaling_pools import AutoscalingConfig
-from cluster.routing import PrefixRouterCore
 from scheduling.errors import InvalidParameterError
 
-Policy = Literal["flotilla", "default"]
-SERVE_DEFAULT_UPSCALE_DELAY_S = 30.0  # Ray Serve's AutoscalingConfig defaults
-SERVE_DEFAULT_DOWNSCALE_DELAY_S = 600.0
 MAX_TAIL_S = 3600.0  # simulated time past the last arrival after which requests still open are unfinished
 
 
 @dataclass(frozen=True)
+class Disaggregation:
+    """A prefill pool beside the decode pool, and how prompts' KV moves between them.
+
+    ``kv_bytes_per_token``: None takes the roofline profile's (a measured
+    profile has none: give it).
+    """
+
+    prefill: AutoscalingConfig = field(default_factory=lambda: AutoscalingConfig(pool="prefill"))
+    kv_transfer_bytes_per_s: float = 25e9  # one NIC-class link per hand-off (RDMA / NVLink go higher)
+    remote_prefill_min_tokens: int = 512  # shorter prompts are prefilled on the decode replica
+    kv_bytes_per_token: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill.pool != "prefill":
+            raise InvalidParameterError("disaggregation", "the prefill pool's autoscaling must have pool: prefill")
+        rate = self.kv_transfer_bytes_per_s
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not (rate > 0 and math.isfinite(rate)):
+            raise InvalidParameterError("kv_transfer_bytes_per_s", f"must be positive, got {self.kv_transfer_bytes_per_s}")
+        if not isinstance(self.remote_prefill_min_tokens, int) or self.remote_prefill_min_tokens < 0:
+            raise InvalidParameterError("remote_prefill_min_tokens", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class FleetConfig:
-    """How the fleet runs: the policy and its settings, start-up time, control-loop period."""
+    """How the fleet runs: the policy and its settings, start-up time, control-loop period, the pools.
+
+    ``autoscaling`` steers the colocated pool, or with ``disaggregation`` the
+    decode pool (give it ``pool: decode`` for the decode signals).
+    """
 
     policy: Policy = "flotilla"
     autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
     target_ongoing_requests: float = 2.0  # the default policy's target per replica
     startup_s: float = 30.0  # from the scale-up decision to a replica taking requests
     tick_s: float = 1.0
-    initial_replicas: int | None = None  # None: min_replicas (at least 1)
+    initial_replicas: int | None = None  # per pool; None: its min_replicas (at least 1)
     # Replicas sharing one host's CPU cores (a CPU machine; None: each replica has its own device): a step
     # that starts while b replicas are stepping takes max(1, b / host_cores) times the profile's time.
     host_cores: float | None = None
+    disaggregation: Disaggregation | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("flotilla", "default"):
@@ -74,13 +101,6 @@ class FleetConfig:
             if not (value >= 0 if name == "startup_s" else value > 0) or not math.isfinite(value):
                 raise InvalidParameterError(name, f"must be a {'non-negative' if name == 'startup_s' else 'positive'} "
                                                   f"number, got {value!r}")
-
-
-@dataclass
-class ScaleEvent:
-    t: float
-    replicas: int
-    reason: str
 
 
 @dataclass
@@ -98,9 +118,10 @@ class FleetRun:
     timeline: list[tuple[float, int, int]]  # (t, replicas asked for, open requests) at every tick
     kv_peak: float
     steps: int
+    handoffs: int = 0
 
 
-_ARRIVE, _STEP, _READY, _TICK = range(4)
+_ARRIVE, _STEP, _READY, _TICK, _HANDOFF = range(5)
 
 
 class Fleet:
@@ -109,43 +130,55 @@ class Fleet:
     def __init__(self, profile: StepProfile, config: FleetConfig, seed: int = 0) -> None:
         self.profile = profile
         self.config = config
-        self.router = PrefixRouterCore(seed=seed)
-        self.replicas: list[SimReplica] = []
-        self._names = itertools.count()
+        pd = config.disaggregation
+        main = Pool("decode" if pd else "r", profile, config.autoscaling, config.policy,
+                    config.target_ongoing_requests, seed=seed)
+        self.pools: list[Pool] = [main]
+        self.prefill: Pool | None = None
+        self.kv_bytes_per_token = 0
+        if pd is not None:
+            self.prefill = Pool("prefill", profile, pd.prefill, config.policy, config.target_ongoing_requests,
+                                seed=seed + 1)
+            self.pools.insert(0, self.prefill)
+            per_token = pd.kv_bytes_per_token
+            if per_token is None:
+                if not isinstance(profile, RooflineProfile):
+                    raise InvalidParameterError("kv_bytes_per_token", "a measured profile does not know the KV "
+                                                                      "bytes per token: give disaggregation's")
+                per_token = profile.kv_bytes_per_token
+            self.kv_bytes_per_token = per_token
+        self.main = main
         self._events: list[tuple[float, int, int, object]] = []
         self._order = itertools.count()
-        self._pending: list[tuple[str, Arrival]] = []
-        self._state = PolicyState()
         self._busy = 0  # replicas stepping now
-        self._default_since: tuple[int, float] | None = None  # the default policy's (direction, since)
-        self.scale_events: list[ScaleEvent] = []
+        self._pool_of: dict[str, Pool] = {}
+        self._output_tokens: dict[str, int] = {}  # requests prefilled remotely: what the decode pool generates
+
+    @property
+    def replicas(self) -> list[SimReplica]:
+        return [r for pool in self.pools for r in pool.replicas]
 
     # ---------------------------------------------------------------- events
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._order), kind, payload))
 
-    def _add_replica(self, now: float, ready_at: float) -> None:
-        replica = SimReplica(f"r{next(self._names)}", self.profile, started=now, ready_at=ready_at)
-        self.replicas.append(replica)
-        self._push(ready_at, _READY, replica)
+    def _added(self, pool: Pool, replicas: list[SimReplica]) -> None:
+        for replica in replicas:
+            self._pool_of[replica.name] = pool
+            self._push(replica.ready_at, _READY, replica)
 
-    def _live(self) -> list[SimReplica]:
-        """Replicas asked for and not draining (the count the policy steers)."""
-        return [r for r in self.replicas if r.stopped is None and not r.draining]
-
-    def _routable(self, now: float) -> list[SimReplica]:
-        return [r for r in self._live() if r.ready_at <= now]
-
-    def _dispatch(self, rid: str, arrival: Arrival, now: float) -> None:
-        candidates = self._routable(now)
-        if not candidates:
-            self._pending.append((rid, arrival))
-            return
-        by_name = {r.name: r for r in candidates}
-        replica = by_name[self.router.choose("", {r.name: float(r.open_requests) for r in candidates}, now)]
-        replica.add(rid, arrival.prompt_tokens, arrival.output_tokens, now)
-        if replica.busy_until is None:
+    def _place(self, pool: Pool, work: Work, now: float) -> None:
+        replica = pool.place(work, now)
+        if replica is not None and replica.busy_until is None:
             self._start(replica, now)
+
+    def _arrive(self, rid: str, a: Arrival, now: float) -> None:
+        pd = self.config.disaggregation
+        if self.prefill is not None and pd is not None and a.prompt_tokens >= pd.remote_prefill_min_tokens:
+            self._output_tokens[rid] = a.output_tokens
+            self._place(self.prefill, Work(rid, now, a.prompt_tokens, 1), now)  # prefill and first token only
+        else:
+            self._place(self.main, Work(rid, now, a.prompt_tokens, a.output_tokens), now)
 
     def _start(self, replica: SimReplica, now: float) -> None:
         slowdown = 1.0
@@ -155,59 +188,15 @@ class Fleet:
         if end is not None:
             self._busy += 1
             self._push(end, _STEP, replica)
-        elif replica.draining and not replica.tracked:
-            replica.stopped = now
-            self.router.remove_replica(replica.name)
-
-    # ---------------------------------------------------------------- policy
-    def _desired(self, now: float) -> tuple[int, str]:
-        live = self._live()
-        n = len(live)
-        loads = [r.load(now) for r in live if r.ready_at <= now]
-        cfg = self.config.autoscaling
-        if self.config.policy == "flotilla":
-            decision = decide(cfg, n, loads, now, self._state)
-            self._state = decision.state
-            return decision.desired_replicas, decision.reason
-        ongoing = sum(r.open_requests for r in live) + len(self._pending)
-        wanted = min(cfg.max_replicas, max(cfg.min_replicas, math.ceil(ongoing / self.config.target_ongoing_requests)))
-        if wanted == n:
-            self._default_since = None
-            return n, "hold"
-        # Serve counts consecutive decisions in one direction (its decision counter), not of one target:
-        # once the delay has passed it applies the latest target.
-        direction = 1 if wanted > n else -1
-        since = self._default_since[1] if self._default_since and self._default_since[0] == direction else now
-        self._default_since = (direction, since)
-        delay = SERVE_DEFAULT_UPSCALE_DELAY_S if wanted > n else SERVE_DEFAULT_DOWNSCALE_DELAY_S
-        if now - since < delay:
-            return n, f"want {wanted}, waiting"
-        self._default_since = None
-        return wanted, f"{ongoing} ongoing / {self.config.target_ongoing_requests}"
-
-    def _scale(self, now: float) -> None:
-        live = self._live()
-        target, reason = self._desired(now)
-        if target > len(live):
-            for _ in range(target - len(live)):
-                self._add_replica(now, now + self.config.startup_s)
-        elif target < len(live):
-            # Drain the emptiest first; one still starting costs nothing to drop.
-            for replica in sorted(live, key=lambda r: (r.ready_at <= now, r.open_requests))[: len(live) - target]:
-                replica.draining = True
-                if not replica.tracked and replica.busy_until is None:
-                    replica.stopped = now
-                    self.router.remove_replica(replica.name)
         else:
-            return
-        self.scale_events.append(ScaleEvent(round(now, 3), target, reason))
+            self._pool_of[replica.name].stop_if_drained(replica, now)
 
     # ---------------------------------------------------------------- run
     def run(self, trace: list[Arrival]) -> FleetRun:
         cfg, cap = self.config, self.profile.capacity
-        initial = cfg.initial_replicas if cfg.initial_replicas is not None else max(1, cfg.autoscaling.min_replicas)
-        for _ in range(initial):
-            self._add_replica(0.0, 0.0)
+        for pool in self.pools:
+            n = cfg.initial_replicas if cfg.initial_replicas is not None else max(1, pool.autoscaling.min_replicas)
+            self._added(pool, [pool.add_replica(0.0, 0.0) for _ in range(n)])
         rejected = 0
         for i, a in enumerate(trace):
             if a.prompt_tokens >= cap.max_model_len or a.prompt_tokens + a.output_tokens > cap.max_model_len:
@@ -216,52 +205,64 @@ class Fleet:
             self._push(a.t, _ARRIVE, (f"q{i}", a))
         self._push(0.0, _TICK, None)
         last = trace[-1].t if trace else 0.0
-        served_at: float | None = None  # the first tick with every request of the trace answered
         results: list[RequestResult] = []
         timeline: list[tuple[float, int, int]] = []
         now = 0.0
         arrivals_left = len(trace) - rejected
-        steps = 0
+        steps = handoffs = 0
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             if kind == _ARRIVE:
                 assert isinstance(payload, tuple)
                 arrivals_left -= 1
-                self._dispatch(payload[0], payload[1], now)
+                self._arrive(payload[0], payload[1], now)
             elif kind == _STEP:
                 assert isinstance(payload, SimReplica)
                 steps += 1
                 self._busy -= 1
-                results.extend(payload.finish_step(now))
+                pool = self._pool_of[payload.name]
+                done = payload.finish_step(now)
+                if pool is self.prefill:
+                    for rid, r in done:  # the first token is out: the KV goes to the decode pool
+                        transfer = r.prompt_tokens * self.kv_bytes_per_token / self._transfer_rate()
+                        self._push(now + transfer, _HANDOFF, (rid, r))
+                else:
+                    results.extend(r for _, r in done)
                 self._start(payload, now)
+            elif kind == _HANDOFF:
+                assert isinstance(payload, tuple)
+                rid, prefilled = payload
+                handoffs += 1
+                self._place(self.main, Work(rid, prefilled.start_s, prefilled.prompt_tokens,
+                                            self._output_tokens.pop(rid), first_token_at=now), now)
             elif kind == _READY:
                 assert isinstance(payload, SimReplica)
+                pool = self._pool_of[payload.name]
                 if payload.stopped is None and not payload.draining:
-                    pending, self._pending = self._pending, []
-                    for rid, arrival in pending:
-                        self._dispatch(rid, arrival, now)
+                    pending, pool.pending = pool.pending, []
+                    for work in pending:
+                        self._place(pool, work, now)
             else:
-                open_requests = sum(r.open_requests for r in self.replicas) + len(self._pending)
-                timeline.append((now, len(self._live()), open_requests))
-                if arrivals_left == 0 and open_requests == 0 and served_at is None:
-                    served_at = now
-                settled = len(self._live()) <= max(1, cfg.autoscaling.min_replicas)
+                open_requests = sum(p.open_requests for p in self.pools) + len(self._output_tokens)
+                timeline.append((now, sum(len(p.live()) for p in self.pools), open_requests))
+                settled = all(len(p.live()) <= max(1, p.autoscaling.min_replicas) for p in self.pools)
                 if arrivals_left == 0 and ((open_requests == 0 and settled) or now > last + MAX_TAIL_S):
                     break  # served and scaled back down (or never will be: the rest count as unfinished)
-                self._scale(now)
-                if self._pending and not self._live():  # Serve starts a replica for a request queued at zero
-                    self._add_replica(now, now + cfg.startup_s)
-                    self.scale_events.append(ScaleEvent(round(now, 3), 1, "scale from zero: a request waits"))
+                for pool in self.pools:
+                    self._added(pool, pool.scale(now, cfg.startup_s))
                 self._push(now + cfg.tick_s, _TICK, None)
-        for r in self.replicas:
-            if r.stopped is None:
-                r.stopped = now
-        unfinished = sum(r.open_requests for r in self.replicas) + len(self._pending)
+        for replica in self.replicas:
+            if replica.stopped is None:
+                replica.stopped = now
         served = max((r.start_s + (r.e2e_s or 0.0) for r in results), default=0.0)
         return FleetRun(
-            results=results, rejected=rejected, unfinished=unfinished, duration_s=max(served, last),
-            settled_s=now,
+            results=results, rejected=rejected, unfinished=len(self._output_tokens) + self.main.open_requests,
+            duration_s=max(served, last), settled_s=now,
             replica_seconds=sum(r.stopped - r.started for r in self.replicas if r.stopped is not None),
-            max_replicas=max((n for _, n, _ in timeline), default=initial),
-            scale_events=self.scale_events, timeline=timeline,
-            kv_peak=max((r.kv_peak for r in self.replicas), default=0.0), steps=steps)
+            max_replicas=max((n for _, n, _ in timeline), default=len(self.replicas)),
+            scale_events=sorted((e for p in self.pools for e in p.events), key=lambda e: e.t), timeline=timeline,
+            kv_peak=max((r.kv_peak for r in self.replicas), default=0.0), steps=steps, handoffs=handoffs)
+
+    def _transfer_rate(self) -> float:
+        assert self.config.disaggregation is not None
+        return self.config.disaggregation.kv_transfer_bytes_per_s

@@ -75,6 +75,19 @@ class SimReplica:
         self.scheduler.add(Request(rid, [0] * prompt_tokens, params))
         self.tracked[rid] = Tracked(now, prompt_tokens)
 
+    def add_prefilled(self, rid: str, prompt_tokens: int, output_tokens: int, arrival: float,
+                      first_token_at: float) -> None:
+        """Queue a request prefilled on another replica: its first token is out (at ``first_token_at``) and its
+        prompt's KV arrives with it, so the scheduler imports the pages instead of computing them
+        (``scheduling.kv_handoff.take_imported``, as ``actors.engine.disaggregation.add_prefilled`` sets up)."""
+        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+        req = Request(rid, [0] * prompt_tokens, params)
+        req.append_output([0])
+        req.kv_import = ()  # the payload's bytes are the simulator's hand-off time, not data
+        self.scheduler.add(req)
+        self.tracked[rid] = Tracked(arrival, prompt_tokens, first_token=first_token_at, last_token=first_token_at,
+                                    produced=1)
+
     def start_step(self, now: float, slowdown: float = 1.0) -> float | None:
         """Schedule a step at ``now``, taking ``slowdown`` times the profile's time (replicas sharing a host's
         cores); its end time, or None when there is nothing to run."""
@@ -95,8 +108,8 @@ class SimReplica:
         self.busy_until = now + self.profile.step_seconds(shape) * slowdown
         return self.busy_until
 
-    def finish_step(self, now: float) -> list[RequestResult]:
-        """Apply the running step at its end ``now``; the requests it finished."""
+    def finish_step(self, now: float) -> list[tuple[str, RequestResult]]:
+        """Apply the running step at its end ``now``; the requests it finished (id, outcome)."""
         batch, self._batch = self._batch, None
         assert batch is not None, "finish_step without a step"
         self.busy_until = None
@@ -108,16 +121,16 @@ class SimReplica:
                 t.first_token = now
             t.last_token = now
             t.produced += len(tokens)
-        done: list[RequestResult] = []
+        done: list[tuple[str, RequestResult]] = []
         deltas: list[SequenceDelta] = []
         for req in update.finished:
             t = self.tracked.pop(req.request_id)
             assert t.first_token is not None and t.last_token is not None
             timing = SequenceTiming(t.arrival, t.first_token, t.last_token, t.produced)
             deltas.append(SequenceDelta(req.request_id, 0, [], "", None, finish_reason="length", timing=timing))
-            done.append(RequestResult(True, start_s=t.arrival, ttft_s=timing.ttft_s, e2e_s=timing.e2e_s,
-                                      prompt_tokens=t.prompt_tokens, output_tokens=t.produced,
-                                      finish_reasons=["length"]))
+            done.append((req.request_id, RequestResult(
+                True, start_s=t.arrival, ttft_s=timing.ttft_s, e2e_s=timing.e2e_s, prompt_tokens=t.prompt_tokens,
+                output_tokens=t.produced, finish_reasons=["length"])))
         self.window.observe(deltas, now)
         alloc = self.scheduler.allocator
         self.kv_peak = max(self.kv_peak, 1 - alloc.num_free_pages / alloc.num_pages)

@@ -27,7 +27,8 @@ def report(run: FleetRun, *, slo_ms: dict[str, float], wall_s: float, profile: d
         "goodput_req_per_s": goodput["request_throughput"] if goodput else None,
         "replica_seconds": round(run.replica_seconds, 1),
         "max_replicas": run.max_replicas,
-        "scale_events": [{"t": e.t, "replicas": e.replicas, "reason": e.reason} for e in run.scale_events],
+        "scale_events": [{"t": e.t, "pool": e.pool, "replicas": e.replicas, "reason": e.reason}
+                         for e in run.scale_events],
         "wall_s": round(wall_s, 2),
         "policy": policy,
         "finished": len(run.results),
@@ -42,6 +43,7 @@ def report(run: FleetRun, *, slo_ms: dict[str, float], wall_s: float, profile: d
         "e2e_ms": s["e2e_ms"],
         "output_tok_per_s": s["output_throughput"],
         "kv_usage_peak": round(run.kv_peak, 4),
+        "kv_handoffs": run.handoffs,
         "steps": run.steps,
         "profile": profile,
     }

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from cli.simulate.fleet import Fleet, FleetConfig, FleetRun
+from cli.simulate.fleet import Disaggregation, Fleet, FleetConfig, FleetRun
 from cli.simulate.profile import Capacity, LinearProfile, StepShape, load_profile, roofline_profile
+from cli.simulate.run import read_config
 from cli.simulate.trace import Arrival, generate, load_trace
 from cluster.autoscaling_pools import AutoscalingConfig
 from scheduling.errors import InvalidParameterError
@@ -195,3 +196,42 @@ def test_the_default_policy_acts_once_its_direction_held_for_the_delay() -> None
     run = fleet.run(trace)
     first = run.scale_events[0]
     assert 30 <= first.t <= 32 and first.replicas == 8
+
+
+def _pd_config(*, prefill: int = 1, decode: int = 1, min_remote: int = 100) -> FleetConfig:
+    return FleetConfig(startup_s=0, autoscaling=AutoscalingConfig(min_replicas=decode, max_replicas=decode,
+                                                                  pool="decode"),
+                       disaggregation=Disaggregation(
+                           prefill=AutoscalingConfig(min_replicas=prefill, max_replicas=prefill, pool="prefill"),
+                           kv_transfer_bytes_per_s=1e6, remote_prefill_min_tokens=min_remote,
+                           kv_bytes_per_token=1000))
+
+
+def test_a_prefilled_request_decodes_on_the_decode_pool_after_its_kv_arrives() -> None:
+    """600 prompt tokens: 3 prefill chunks (0.03 s), 600 x 1000 B at 1 MB/s (0.6 s), then 4 decode steps."""
+    fleet = Fleet(_profile(0.01), _pd_config())
+    run = fleet.run([Arrival(0.0, 600, 5), Arrival(5.0, 40, 5)])
+    assert run.handoffs == 1 and run.unfinished == 0
+    by_len = {r.prompt_tokens: r for r in run.results}
+    assert by_len[600].ttft_s == pytest.approx(0.63)
+    assert by_len[600].e2e_s == pytest.approx(0.67) and by_len[600].output_tokens == 5
+    # A prompt under remote_prefill_min_tokens is prefilled on the decode replica itself.
+    assert by_len[40].ttft_s == pytest.approx(0.01) and by_len[40].e2e_s == pytest.approx(0.05)
+    decode = [r for r in fleet.replicas if r.name.startswith("decode")]
+    assert sum(r.steps for r in decode) == 4 + 5  # the imported prompt computed nothing there
+    _all_pages_free(fleet)
+
+
+def test_disaggregation_reads_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "pd.yaml"
+    path.write_text("startup_s: 0\nautoscaling: {min_replicas: 3, max_replicas: 3}\n"
+                    "disaggregation:\n  prefill: {min_replicas: 1, max_replicas: 1}\n  kv_transfer_bytes_per_s: 5e10\n")
+    config = read_config(path, {})
+    assert config.disaggregation is not None and config.disaggregation.prefill.pool == "prefill"
+    assert config.autoscaling.pool == "decode" and config.disaggregation.kv_transfer_bytes_per_s == 5e10
+    path.write_text("disaggregation: {prefill: {max_replicas: 2}, link: 3}\n")
+    with pytest.raises(InvalidParameterError, match="link"):
+        read_config(path, {})
+    with pytest.raises(InvalidParameterError) as err:  # a measured profile cannot size the hand-off itself
+        Fleet(_profile(), FleetConfig(disaggregation=Disaggregation()))
+    assert err.value.param == "kv_bytes_per_token"

@@ -35,7 +35,14 @@ from cli.plan.hardware import (
     load_hf_config,
     read_json_file,
 )
-from cli.plan.planner import KV_DTYPES, TP_DEGREES, PlanReport, plan
+from cli.plan.planner import (
+    KV_DTYPES,
+    TP_DEGREES,
+    PlanReport,
+    default_kv_dtype,
+    kv_bytes_per_token,
+    plan,
+)
 from scheduling.errors import InvalidParameterError
 
 _GB, _GIB = 1e9, 2**30
@@ -58,7 +65,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "beside it for comparison. Decode bytes per step: non-expert weights + the expected "
         "distinct experts the batch touches per MoE layer, E(1-(1-k/E)^batch), + batch x context "
         "x KV per token.")
-    model = p.add_mutually_exclusive_group(required=True)
+    model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", metavar="NAME", help=f"model preset: {', '.join(MODELS)}")
     model.add_argument("--config", metavar="PATH",
                        help="a Hugging Face config.json, or a model folder holding one")
@@ -86,8 +93,42 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="print the report as JSON: every figure above, incl. total_params, active_params, "
                         "kv_bytes_per_token (allocated), kv_bytes_per_token_window_aware, "
                         "expected_experts_per_layer, decode_bytes_per_step and decode_bytes_per_step_batch1")
+    w = p.add_argument_group("workload sizing by simulation (docs/fleet.md; prints JSON)")
+    w.add_argument("--workload", metavar="SPEC",
+                   help="prompt_tokens=N,output_tokens=M,rate=R, or a trace (JSONL path or simulate generator)")
+    w.add_argument("--slo", metavar="SPEC", default="ttft_p95_ms=2000,tpot_p95_ms=100",
+                   help="ttft_p95_ms=..,tpot_p95_ms=.. (default 2000 and 100)")
+    w.add_argument("--profile", metavar="PATH",
+                   help="a step profile (flotilla bench profile); default: the roofline of the model on --gpu")
+    w.add_argument("--max-gpus", type=int, default=64, metavar="N", help="the GPU budget searched (default 64)")
+    w.add_argument("--minutes", type=float, default=2.0, help="simulated minutes of a rate= workload (default 2)")
+    w.add_argument("--kv-transfer-bytes-per-s", type=float, default=25e9,
+                   help="prefill-to-decode KV link (default 25e9)")
     p.set_defaults(func=run_plan)
     return p
+
+
+def run_workload(args: argparse.Namespace) -> dict[str, Any]:
+    """``--workload``: the sizing of ``cli.plan.workload`` (which imports the simulator, and with it torch
+    and the scheduler: imported here so that the memory plan above starts instantly)."""
+    from cli.plan.workload import parse_slo, plan_workload
+    from cli.simulate.fleet import Disaggregation
+    from cli.simulate.profile import load_profile, roofline_profile
+
+    tp = args.tp or 1
+    if args.profile is not None:
+        profile = load_profile(args.profile)
+    else:
+        if args.gpu is None or (args.preset is None and args.config is None):
+            raise InvalidParameterError("workload", "needs --profile, or --gpu with --preset or --config")
+        profile = roofline_profile(_model(args), args.gpu, tp=tp, dtype=args.dtype)
+    kv = None  # a roofline profile knows its KV bytes per token; a measured one learns them from the model
+    if args.profile is not None and (args.preset is not None or args.config is not None):
+        kv = kv_bytes_per_token(_model(args), args.kv_dtype or default_kv_dtype(args.dtype))
+    pd = Disaggregation(kv_transfer_bytes_per_s=args.kv_transfer_bytes_per_s, remote_prefill_min_tokens=0,
+                        kv_bytes_per_token=kv)
+    return plan_workload(profile, args.workload, parse_slo(args.slo), max_gpus=args.max_gpus, tp=tp,
+                         minutes=args.minutes, price_per_hour=args.price_per_hour, disaggregation=pd)
 
 
 def read_bench_throughput(path: str) -> float:
@@ -141,6 +182,11 @@ def build_report(args: argparse.Namespace) -> PlanReport:
 def run_plan(args: argparse.Namespace) -> int:
     """Handler of ``flotilla plan``: print the report; 2 on a user error."""
     try:
+        if args.workload is not None:
+            print(json.dumps(run_workload(args)))
+            return 0
+        if args.preset is None and args.config is None:
+            raise InvalidParameterError("preset", "give a model: --preset NAME or --config PATH")
         report = build_report(args)
     except InvalidParameterError as exc:
         flag = "--" + exc.param.replace("_", "-")

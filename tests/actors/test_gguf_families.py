@@ -23,7 +23,6 @@ from actors.load.gguf.convert import ensure_gguf_folder
 from actors.load.gguf.reader import GGUFError
 from actors.load.loader import load_model
 from actors.models.layers import ParallelLinear
-from actors.models.quant_linear import Int4Codes, Int4Linear
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import build_hf_model, hf_greedy, hf_logits
@@ -34,6 +33,7 @@ from tests.actors.gguf_files import (
     gguf_qwen3_config,
     write_gguf,
 )
+from tests.actors.int4_spy import record_int4_codes
 
 FAMILIES: dict[str, Callable[..., PretrainedConfig]] = {"qwen2": gguf_qwen2_config, "qwen3": gguf_qwen3_config}
 HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -106,14 +106,7 @@ def test_q4_blocks_load_directly_without_a_qk_permutation(
 ) -> None:
     """``quantization="int4"`` on a Q4_1 file: every linear's codes are the file's blocks in Hugging Face
     row order (a Qwen file has no llama.cpp Q/K permutation to undo), i.e. exactly the float weights."""
-    seen: dict[int, Int4Codes] = {}
-    build = Int4Linear.__init__
-
-    def spy(self: Int4Linear, codes: Int4Codes) -> None:
-        build(self, codes)
-        seen[id(self)] = codes
-
-    monkeypatch.setattr(Int4Linear, "__init__", spy)
+    seen = record_int4_codes(monkeypatch)
     path = write_gguf(tmp_path / f"{family}-q4_1.gguf", T.Q4_1, config=FAMILIES[family](), seed=SEED,
                       vocab_qtype=T.Q8_0)
     folder = ensure_gguf_folder(path, root=tmp_path / "cache")

@@ -32,9 +32,9 @@ from safetensors.torch import load_file, save_file
 from actors.load.loader import load_model
 from actors.load.quant.compressed_tensors import read_scheme
 from actors.models.layers import ParallelLinear
-from actors.models.quant_linear import Int4Codes, Int4Linear
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import build_hf_model, llama_config, new_dense, step_logits
+from tests.actors.int4_spy import record_int4_codes
 
 GROUP = 32
 PROMPT = [1, 17, 300, 4, 4, 99, 511, 256, 3, 0]
@@ -100,14 +100,7 @@ def folders(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_loads_the_codes_and_matches_the_package_decompression(
     folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, quantization: str | None
 ) -> None:
-    seen: dict[int, Int4Codes] = {}
-    build = Int4Linear.__init__
-
-    def spy(self: Int4Linear, codes: Int4Codes) -> None:
-        build(self, codes)
-        seen[id(self)] = codes
-
-    monkeypatch.setattr(Int4Linear, "__init__", spy)
+    seen = record_int4_codes(monkeypatch)
     compressed, reference = folders
     loaded = load_model(str(compressed), quantization=quantization, **KW)
     ref = load_model(str(reference), **KW).model

@@ -14,6 +14,10 @@ and TPOT P95 within the SLOs (``--slo ttft_p95_ms=..,tpot_p95_ms=..``).
   that meets both beside it (growing the prefill pool again if the pair
   misses TTFT).
 
+A layout too small is not simulated to the end: its run stops once more than
+5% of the trace's requests have missed an SLO (``cli.simulate.fleet.GiveUp``),
+so the search costs little more than the layouts that are close.
+
 Each layout reports ``gpus`` (replicas x ``tp``), ``prefill_gpus``,
 ``decode_gpus``, ``goodput_req_per_s``, its P95s and
 ``cost_per_1m_tokens`` (with ``--price-per-hour``; output tokens), or
@@ -30,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.plan.planner import cost_per_million_tokens
-from cli.simulate.fleet import Disaggregation, Fleet, FleetConfig
+from cli.simulate.fleet import Disaggregation, Fleet, FleetConfig, GiveUp
 from cli.simulate.profile import StepProfile
 from cli.simulate.report import report
 from cli.simulate.trace import Arrival, load_trace
@@ -115,13 +119,17 @@ class Sizer:
                                     kv_bytes_per_token=self.disaggregation.kv_bytes_per_token)
             config = FleetConfig(startup_s=0.0, disaggregation=pd, autoscaling=AutoscalingConfig(
                 min_replicas=decode, max_replicas=decode, pool="decode" if prefill else None))
-            run = Fleet(self.profile, config).run(self.arrivals)
+            run = Fleet(self.profile, config).run(self.arrivals, GiveUp(self.slo["ttft_p95_ms"] / 1e3,
+                                                                        self.slo["tpot_p95_ms"] / 1e3))
             figures = report(run, slo_ms={"ttft": self.slo["ttft_p95_ms"], "tpot": self.slo["tpot_p95_ms"]},
                              wall_s=0.0, profile={}, policy="fixed")
-            missed = [name for name, key in (("ttft", "ttft_p95_ms"), ("tpot", "tpot_p95_ms"))
-                      if (figures[key] or 0.0) > self.slo[key]]
-            if figures["unfinished"]:
-                missed.append("unfinished requests")
+            if run.gave_up is not None:
+                missed = run.gave_up.split(", ")
+            else:
+                missed = [name for name, key in (("ttft", "ttft_p95_ms"), ("tpot", "tpot_p95_ms"))
+                          if (figures[key] or 0.0) > self.slo[key]]
+                if figures["unfinished"]:
+                    missed.append("unfinished requests")
             self._seen[key] = Outcome(prefill, decode, figures, not missed, ", ".join(missed))
         return self._seen[key]
 

@@ -103,6 +103,16 @@ class FleetConfig:
                                                   f"number, got {value!r}")
 
 
+@dataclass(frozen=True)
+class GiveUp:
+    """End a run early once more than ``fraction`` of the trace's requests are known to miss an SLO: their
+    P95 cannot meet it any more (a planner's search needs no more of a layout that is too small)."""
+
+    ttft_s: float
+    tpot_s: float
+    fraction: float = 0.05
+
+
 @dataclass
 class FleetRun:
     """What a simulation produced."""
@@ -119,6 +129,7 @@ class FleetRun:
     kv_peak: float
     steps: int
     handoffs: int = 0
+    gave_up: str | None = None  # the SLO a ``GiveUp`` run was ended for
 
 
 _ARRIVE, _STEP, _READY, _TICK, _HANDOFF = range(5)
@@ -192,7 +203,7 @@ class Fleet:
             self._pool_of[replica.name].stop_if_drained(replica, now)
 
     # ---------------------------------------------------------------- run
-    def run(self, trace: list[Arrival]) -> FleetRun:
+    def run(self, trace: list[Arrival], give_up: GiveUp | None = None) -> FleetRun:
         cfg, cap = self.config, self.profile.capacity
         for pool in self.pools:
             n = cfg.initial_replicas if cfg.initial_replicas is not None else max(1, pool.autoscaling.min_replicas)
@@ -210,6 +221,9 @@ class Fleet:
         now = 0.0
         arrivals_left = len(trace) - rejected
         steps = handoffs = 0
+        gave_up: str | None = None
+        late = {"ttft": 0, "tpot": 0}
+        limit = give_up.fraction * len(trace) if give_up is not None else math.inf
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             if kind == _ARRIVE:
@@ -228,6 +242,14 @@ class Fleet:
                         self._push(now + transfer, _HANDOFF, (rid, r))
                 else:
                     results.extend(r for _, r in done)
+                    if give_up is not None:
+                        for _, r in done:
+                            late["ttft"] += (r.ttft_s or 0.0) > give_up.ttft_s
+                            late["tpot"] += (r.tpot_s or 0.0) > give_up.tpot_s
+                        missed = [name for name, n in late.items() if n > limit]
+                        if missed:
+                            gave_up = ", ".join(missed)
+                            break
                 self._start(payload, now)
             elif kind == _HANDOFF:
                 assert isinstance(payload, tuple)
@@ -256,7 +278,8 @@ class Fleet:
                 replica.stopped = now
         served = max((r.start_s + (r.e2e_s or 0.0) for r in results), default=0.0)
         return FleetRun(
-            results=results, rejected=rejected, unfinished=len(self._output_tokens) + self.main.open_requests,
+            results=results, rejected=rejected, gave_up=gave_up,
+            unfinished=len(trace) - rejected - len(results),  # still open, or (given up) not yet arrived
             duration_s=max(served, last), settled_s=now,
             replica_seconds=sum(r.stopped - r.started for r in self.replicas if r.stopped is not None),
             max_replicas=max((n for _, n, _ in timeline), default=len(self.replicas)),

@@ -34,6 +34,7 @@ def report(run: FleetRun, *, slo_ms: dict[str, float], wall_s: float, profile: d
         "finished": len(run.results),
         "rejected_max_model_len": run.rejected,
         "unfinished": run.unfinished,
+        "gave_up": run.gave_up,
         "duration_s": round(run.duration_s, 3),
         "settled_s": round(run.settled_s, 3),
         "slo_ms": slo_ms,

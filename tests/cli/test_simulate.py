@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from cli.simulate.fleet import Disaggregation, Fleet, FleetConfig, FleetRun
+from cli.simulate.fleet import Disaggregation, Fleet, FleetConfig, FleetRun, GiveUp
 from cli.simulate.profile import Capacity, LinearProfile, StepShape, load_profile, roofline_profile
 from cli.simulate.run import read_config
 from cli.simulate.trace import Arrival, generate, load_trace
@@ -235,3 +235,12 @@ def test_disaggregation_reads_from_yaml(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameterError) as err:  # a measured profile cannot size the hand-off itself
         Fleet(_profile(), FleetConfig(disaggregation=Disaggregation()))
     assert err.value.param == "kv_bytes_per_token"
+
+
+def test_a_run_gives_up_once_too_many_requests_missed_an_slo() -> None:
+    trace = [Arrival(i * 0.01, 64, 64) for i in range(2000)]  # 100 req/s on one replica of one sequence
+    config = FleetConfig(startup_s=0, autoscaling=AutoscalingConfig(min_replicas=1, max_replicas=1))
+    run = Fleet(_profile(0.01, max_num_seqs=1), config).run(trace, GiveUp(ttft_s=1.0, tpot_s=1.0))
+    assert run.gave_up == "ttft"
+    assert len(run.results) < 2000 and run.unfinished == 2000 - len(run.results)
+    assert sum((r.ttft_s or 0) > 1.0 for r in run.results) == int(0.05 * 2000) + 1

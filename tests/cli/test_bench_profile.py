@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cli.bench.profile.run import fit, run
+from cli.bench.profile.served import run_served
 from cli.main import main
 from cli.simulate.profile import LinearProfile, StepShape, load_profile
 
@@ -42,3 +43,14 @@ def test_a_small_run_writes_a_profile_simulate_reads(tmp_path: Path, capsys: pyt
     assert main(["simulate", "--trace", "poisson:rate=2,minutes=0.2,prompt_tokens=32,output_tokens=8",
                  "--profile", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["finished"] > 0
+
+
+def test_a_served_profile_times_the_shapes_through_a_replica() -> None:
+    """One replica of tiny on a local Ray cluster, over HTTP: every point measured, the replica's limits kept."""
+    out = run_served("tiny", runs=1, steps=2, num_cpus=2, prefill_tokens=(16, 64), decode_batches=(1, 2),
+                     decode_contexts=(32,), num_kv_pages=64, max_num_seqs=2, cpu_threads=1)
+    assert [p["shape"] for p in out["points"]] == ["prefill16", "prefill64", "decode1x32", "decode2x32"]
+    assert all(p["ms"] > 0 for p in out["points"])
+    capacity = out["profile"]["capacity"]
+    assert capacity["num_kv_pages"] == 64 and capacity["max_num_seqs"] == 2
+    assert out["profile"]["source"].startswith("bench profile --served")

@@ -9,7 +9,9 @@ step-time model ``flotilla simulate`` and ``flotilla plan`` read (``run``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 
@@ -51,12 +53,22 @@ class ProfileBench:
                             help="decode batch sizes (default 1,4,16,32,64)")
         parser.add_argument("--decode-contexts", type=_ints, default=None, metavar="C,C,...",
                             help="decode context lengths (default 64,512,1536)")
+        parser.add_argument("--served", action="store_true",
+                            help="time the shapes as a client of one served replica (local Ray, HTTP on "
+                                 "loopback): what a replica of the app costs, for simulating the app (embedded "
+                                 "models' vocabulary)")
         parser.add_argument("--out", default=None, help="also write the profile JSON here (simulate --profile)")
         parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
         parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is one JSON object")
 
     def run(self, args: argparse.Namespace) -> int:
-        from cli.bench.profile.run import run  # import cost (cli.bench.registry)
+        from cli.bench.profile.run import (  # import cost
+            DECODE_BATCHES,
+            DECODE_CONTEXTS,
+            PREFILL_TOKENS,
+            run,
+        )
+        from cli.bench.profile.served import run_served  # (cli.bench.registry)
 
         engine = {k: v for k, v in (("dtype", args.dtype), ("cpu_threads", args.cpu_threads),
                                     ("num_kv_pages", args.num_kv_pages), ("max_num_seqs", args.max_num_seqs),
@@ -64,8 +76,16 @@ class ProfileBench:
                                     ("max_model_len", args.max_model_len)) if v is not None}
         shapes = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("decode_batches", args.decode_batches),
                                     ("decode_contexts", args.decode_contexts)) if v is not None}
-        out = run(args.model, runs=args.runs, steps=args.steps, seed=args.seed, progress=args.progress, **shapes,
-                  **engine)
+        if args.served:
+            # stdout carries the JSON alone: what Ray prints meanwhile (its teardown included) goes to stderr.
+            with contextlib.redirect_stdout(sys.stderr):
+                out = run_served(args.model, runs=args.runs, steps=args.steps, seed=args.seed,
+                                 prefill_tokens=args.prefill_tokens or PREFILL_TOKENS,
+                                 decode_batches=args.decode_batches or DECODE_BATCHES,
+                                 decode_contexts=args.decode_contexts or DECODE_CONTEXTS, **engine)
+        else:
+            out = run(args.model, runs=args.runs, steps=args.steps, seed=args.seed, progress=args.progress,
+                      **shapes, **engine)
         if args.out:
             path = Path(args.out)
             path.parent.mkdir(parents=True, exist_ok=True)

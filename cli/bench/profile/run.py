@@ -79,32 +79,64 @@ def fit(points: list[tuple[StepShape, float]]) -> list[float]:
     return [float(c) for c in coef]
 
 
+Shape = tuple[str, StepShape, list[list[int]]]  # a name, the step's shape, the prompts that make it
+
+
+def check_settings(runs: int, steps: int) -> None:
+    if runs < 1 or steps < 1:
+        raise InvalidParameterError("runs" if runs < 1 else "steps", "must be >= 1")
+
+
+def step_shapes(prefill_tokens: tuple[int, ...], decode_batches: tuple[int, ...], decode_contexts: tuple[int, ...],
+                *, steps: int, vocab: int, seed: int) -> list[Shape]:
+    """Every shape timed (module docstring), with seeded random prompts."""
+    shapes: list[Shape] = []
+    for t in prefill_tokens:
+        shapes.append((f"prefill{t}", StepShape(t, 1, 1, t, t * t, t * t), random_prompts(1, t, vocab, seed + t)))
+    for b in decode_batches:
+        for c in decode_contexts:
+            # A decode step of B sequences at context C attends B x C keys (the sequences grow by a few
+            # tokens over the timed steps: the midpoint is used).
+            ctx = c + steps // 2 + 1
+            shapes.append((f"decode{b}x{c}", StepShape(b, b, 0, b * ctx, b * ctx, 0),
+                           random_prompts(b, c, vocab, seed + 7919 * b + c)))
+    return shapes
+
+
+def report(shapes: list[Shape], times: dict[str, list[float]], capacity: Capacity, source: str, *, runs: int,
+           steps: int) -> dict[str, Any]:
+    """The fitted profile, every point beside its fit, and the worst relative error."""
+    points = [(shape, statistics.median(times[name])) for name, shape, _ in shapes]
+    c0, c_tok, c_seq, c_prefill, c_ctx, c_pair = fit(points)
+    profile = LinearProfile(capacity, c0, c_tok, c_seq, c_prefill, c_ctx, c_pair, source=source)
+    rows = []
+    worst = 0.0
+    for (name, shape, _), (_, seconds) in zip(shapes, points, strict=True):
+        predicted = profile.step_seconds(shape)
+        worst = max(worst, abs(predicted - seconds) / seconds)
+        rows.append({"shape": name, "tokens": shape.tokens, "seqs": shape.seqs,
+                     "context_tokens": shape.context_tokens, "ms": round(seconds * 1e3, 3),
+                     "fit_ms": round(predicted * 1e3, 3)})
+    return {"profile": profile.to_dict(), "points": rows, "fit_max_rel_error": round(worst, 4), "runs": runs,
+            "steps": steps}
+
+
 def run(model: str, *, runs: int = 3, steps: int = 8, seed: int = 0, progress: bool = False,
         prefill_tokens: tuple[int, ...] = PREFILL_TOKENS, decode_batches: tuple[int, ...] = DECODE_BATCHES,
         decode_contexts: tuple[int, ...] = DECODE_CONTEXTS, **engine: Any) -> dict[str, Any]:
-    if runs < 1 or steps < 1:
-        raise InvalidParameterError("runs" if runs < 1 else "steps", "must be >= 1")
+    check_settings(runs, steps)
     need_len = max(max(prefill_tokens) + 2, max(decode_contexts) + steps + 4)
     options = {**OFFLINE_ENGINE_DEFAULTS, "max_num_seqs": max(decode_batches),
                "max_num_batched_tokens": max(max(prefill_tokens), max(decode_batches)), "max_model_len": need_len,
                **engine, "model": model}
     with offline_engine(options) as llm:
         eng = llm.engine
-        vocab = eng.vocab_size
         cfg = eng.config
         if max(prefill_tokens) > cfg.max_num_batched_tokens:
             raise InvalidParameterError("max_num_batched_tokens", f"{cfg.max_num_batched_tokens} is below the "
                                                                   f"largest prefill, {max(prefill_tokens)}")
-        shapes: list[tuple[str, StepShape, list[list[int]]]] = []
-        for t in prefill_tokens:
-            shapes.append((f"prefill{t}", StepShape(t, 1, 1, t, t * t, t * t), random_prompts(1, t, vocab, seed + t)))
-        for b in decode_batches:
-            for c in decode_contexts:
-                # A decode step of B sequences at context C attends B x C keys (the sequences grow by a few
-                # tokens over the timed steps: the midpoint is used).
-                ctx = c + steps // 2 + 1
-                shapes.append((f"decode{b}x{c}", StepShape(b, b, 0, b * ctx, b * ctx, 0),
-                               random_prompts(b, c, vocab, seed + 7919 * b + c)))
+        shapes = step_shapes(prefill_tokens, decode_batches, decode_contexts, steps=steps, vocab=eng.vocab_size,
+                             seed=seed)
         _status(f"{len(shapes)} shapes x {runs} runs on {model}")
         times: dict[str, list[float]] = {name: [] for name, _, _ in shapes}
         with tqdm(total=(runs + 1) * len(shapes), desc="bench profile", unit="shape", disable=not progress) as bar:
@@ -121,16 +153,4 @@ def run(model: str, *, runs: int = 3, steps: int = 8, seed: int = 0, progress: b
         capacity = Capacity(cap.num_pages, cap.page_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             cfg.max_model_len)
         device = str(llm.config.resolved_device())
-    points = [(shape, statistics.median(times[name])) for name, shape, _ in shapes]
-    c0, c_tok, c_seq, c_prefill, c_ctx, c_pair = fit(points)
-    profile = LinearProfile(capacity, c0, c_tok, c_seq, c_prefill, c_ctx, c_pair, source=f"bench profile: {model} on {device}")
-    rows = []
-    worst = 0.0
-    for (name, shape, _), (_, seconds) in zip(shapes, points, strict=True):
-        predicted = profile.step_seconds(shape)
-        worst = max(worst, abs(predicted - seconds) / seconds)
-        rows.append({"shape": name, "tokens": shape.tokens, "seqs": shape.seqs,
-                     "context_tokens": shape.context_tokens, "ms": round(seconds * 1e3, 3),
-                     "fit_ms": round(predicted * 1e3, 3)})
-    return {"profile": profile.to_dict(), "points": rows, "fit_max_rel_error": round(worst, 4), "runs": runs,
-            "steps": steps}
+    return report(shapes, times, capacity, f"bench profile: {model} on {device}", runs=runs, steps=steps)

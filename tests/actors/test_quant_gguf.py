@@ -26,10 +26,11 @@ from actors.load.gguf.reader import GGUFTensor
 from actors.load.loader import load_model, load_tokenizer
 from actors.models import quant_linear
 from actors.models.layers import ParallelLinear
-from actors.models.quant_linear import Int4Codes, Int4Linear
+from actors.models.quant_linear import Int4Codes
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import new_dense, step_logits
 from tests.actors.gguf_files import T, gguf_llama_config, write_gguf
+from tests.actors.int4_spy import record_int4_codes
 
 Q4_TYPES = [T.Q4_0, T.Q4_1]
 PROMPT = [256, 72, 101, 108, 108, 111, 263, 264, 9, 300, 40, 41]
@@ -61,17 +62,10 @@ def gguf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[T, Path]:
 @pytest.fixture
 def packed_codes(monkeypatch: pytest.MonkeyPatch) -> dict[int, Int4Codes]:
     """The codes every Int4Linear is built from, by id of the Int4Linear; requantizing is forbidden."""
-    seen: dict[int, Int4Codes] = {}
-    build = Int4Linear.__init__
-
-    def spy(self: Int4Linear, codes: Int4Codes) -> None:
-        build(self, codes)
-        seen[id(self)] = codes
-
     def no_requantize(w: torch.Tensor, group_size: int) -> Int4Codes:
         raise AssertionError("a GGUF Q4 linear was requantized from floats")
 
-    monkeypatch.setattr(Int4Linear, "__init__", spy)
+    seen = record_int4_codes(monkeypatch)
     monkeypatch.setattr(quant_linear, "quantize_int4", no_requantize)
     return seen
 

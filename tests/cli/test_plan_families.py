@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
 from cli.plan.hardware import MODELS, ModelArch, get_model, model_from_hf_config, windowed_layers
 from cli.plan.planner import (
     bytes_for,
@@ -22,6 +21,7 @@ from cli.plan.planner import (
     plan,
 )
 from scheduling.errors import InvalidParameterError
+from tests.cli.test_planner import run_cli
 
 # config.json of each family as published on the Hugging Face hub, trimmed to what the planner reads
 # plus some noise (rope, eps, flags it must ignore).
@@ -74,15 +74,6 @@ QWEN15_MOE_A27B = {
     "num_key_value_heads": 16, "shared_expert_intermediate_size": 5632, "sliding_window": 32768,
     "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
 }
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # Parameter counts against the published totals.

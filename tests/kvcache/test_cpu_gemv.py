@@ -13,17 +13,17 @@ import torch
 
 from kvcache import cpu_kernels
 from kvcache.cpu_kernels import Gemv
+from tests.kvcache.native import NO_EXTENSION, require_kernels
 
 TOLERANCE = 1e-5  # error relative to sum_k |x_k w_k| (+ |b|), the scale of a dot product's rounding
 
 
 @pytest.fixture(scope="module")
 def gemv() -> Gemv:
-    if not cpu_kernels.kernels_enabled():
-        pytest.skip(f"{cpu_kernels.ENV_SWITCH}=0 in the environment")
+    require_kernels()
     op = cpu_kernels.get_gemv()
     if op is None:
-        pytest.skip("the native extension cannot be built here (see the flotilla.kvcache warning)")
+        pytest.skip(NO_EXTENSION)
     return op
 
 

@@ -29,17 +29,6 @@ from tests.kvcache.test_torch_attention import Sim, dense_attention
 HEADS = [(4, 4), (8, 4), (6, 2), (8, 1), (16, 2)]  # MHA, GQA, GQA 3, MQA, GQA 8
 
 
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    """The built extension; skips (with the reason) where it cannot be built."""
-    if not cpu_kernels.kernels_enabled():
-        pytest.skip(f"{cpu_kernels.ENV_SWITCH}=0 in the environment")
-    module = cpu_kernels.load_extension()
-    if module is None:
-        pytest.skip("paged_decode extension cannot be built here (see the flotilla.kvcache warning)")
-    return module
-
-
 def random_problem(
     rng: random.Random, *, batch: int, heads: tuple[int, int], head_dim: int, page_size: int,
     max_ctx: int, dtype: torch.dtype = torch.float32, index_dtype: torch.dtype = torch.int32,

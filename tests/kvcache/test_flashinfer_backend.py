@@ -33,6 +33,7 @@ from kvcache.kv_quant import dequantize_kv
 from kvcache.kv_transfer import KVPayloadMismatchError
 from scheduling.errors import InvalidParameterError
 from tests.kvcache import flashinfer_emulator
+from tests.kvcache.workloads import chunked_prefill
 
 HEAD_DIM = 32
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -188,17 +189,7 @@ class Pair:
         prompts = {s: self.rng.randint(1, 70) for s in range(6)}
         for s in (1, 4):
             self.cached_prefix(s, self.rng.randint(5, 40))
-        remaining = dict(prompts)
-        while any(remaining.values()):
-            budget, work = 24, []
-            for s in prompts:
-                if remaining[s] == 0:
-                    work.append((s, 1))
-                    budget -= 1
-                elif budget > 0:
-                    n = min(remaining[s], budget)
-                    remaining[s], budget = remaining[s] - n, budget - n
-                    work.append((s, n))
+        for work in chunked_prefill(prompts, 24):
             self.step(work)
         for _ in range(3):
             self.step([(s, 1) for s in prompts])  # decode-only

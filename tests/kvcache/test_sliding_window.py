@@ -37,7 +37,9 @@ from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool
 from kvcache.kv_quant import dequantize_kv
 from tests.kvcache import flashinfer_emulator
+from tests.kvcache.native import NO_EXTENSION
 from tests.kvcache.test_cpu_kernels import random_problem
+from tests.kvcache.workloads import chunked_prefill
 
 HEAD_DIM = 32
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -99,7 +101,7 @@ class Driver:
                 torch_backend = TorchPagedAttention(self.pool, num_heads=heads[0], num_kv_heads=heads[1],
                                                     head_dim=head_dim, scale=scale, **window_arg)  # fmt: skip
             if kind == "kernel" and not torch_backend.uses_cpu_kernel:
-                pytest.skip("paged_decode extension cannot be built here (see the flotilla.kvcache warning)")
+                pytest.skip(NO_EXTENSION)
             assert torch_backend.uses_cpu_kernel == (kind == "kernel")
             self.backend = torch_backend
         self.static_sizes = sorted(static_sizes)
@@ -169,17 +171,7 @@ class Driver:
     def run_workload(self) -> None:
         """Cached prefixes continued by chunked prefill, decodes joining, fresh prompts alone and in groups."""
         prompts = {s: self.rng.randint(1, 90) for s in range(6)}
-        remaining = dict(prompts)
-        while any(remaining.values()):
-            budget, work = 24, []
-            for s in prompts:
-                if remaining[s] == 0:
-                    work.append((s, 1))
-                    budget -= 1
-                elif budget > 0:
-                    n = min(remaining[s], budget)
-                    remaining[s], budget = remaining[s] - n, budget - n
-                    work.append((s, n))
+        for work in chunked_prefill(prompts, 24):
             self.step(work)
         for _ in range(3):
             self.step([(s, 1) for s in prompts])  # decode-only
@@ -332,17 +324,6 @@ def test_window_helpers_and_group_masks() -> None:
     assert causal.causal and causal.mask is None
     rows = torch.isfinite(causal.window_masks[2][0, 0])
     assert torch.equal(rows, torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]).bool())
-
-
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    """The built extension; skips (with the reason) where it cannot be built."""
-    if not cpu_kernels.kernels_enabled():
-        pytest.skip(f"{cpu_kernels.ENV_SWITCH}=0 in the environment")
-    module = cpu_kernels.load_extension()
-    if module is None:
-        pytest.skip("paged_decode extension cannot be built here (see the flotilla.kvcache warning)")
-    return module
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

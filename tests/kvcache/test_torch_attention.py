@@ -13,6 +13,7 @@ from kvcache.attention import metadata as meta
 from kvcache.attention.backend import StepLayout
 from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool
+from tests.kvcache.workloads import chunked_prefill
 
 HEADS = [(4, 4), (8, 4), (8, 1), (6, 2)]  # (num_heads, num_kv_heads): MHA, GQA, MQA, GQA 3
 
@@ -169,19 +170,8 @@ def test_multi_step_chunked_prefill_then_decode(
 ) -> None:
     sim = Sim(heads=heads, head_dim=16, page_size=page_size, num_layers=2, seed=page_size)
     prompts = {0: 37, 1: 5, 2: 64, 3: 1}
-    remaining = dict(prompts)
     # Chunked prefill with a token budget, decodes joining as prompts finish.
-    while any(remaining.values()):
-        budget, work = 20, []
-        for s in prompts:
-            if remaining[s] == 0:
-                work.append((s, 1))
-                budget -= 1
-            elif budget > 0:
-                n = min(remaining[s], budget)
-                remaining[s] -= n
-                budget -= n
-                work.append((s, n))
+    for work in chunked_prefill(prompts, 20):
         sim.step(work)
     for _ in range(4):
         sim.step([(s, 1) for s in prompts])

@@ -28,6 +28,7 @@ class Executor(ABC):
     kv_layout: KVLayout  # what its pool's pages hold: the engine checks a prefilled request's KV against it
     model_path: Path
     vocab_size: int
+    num_moe_layers: int = 0  # 0: a dense model (or an executor that reads no expert counts: expert_tokens ())
 
     @abstractmethod
     def execute(self, batch: Batch) -> StepOutput:
@@ -78,6 +79,7 @@ class LocalExecutor(Executor):
         self.kv_layout = KVLayout.of(self.runner.pool)
         self.model_path = self.runner.model_path
         self.vocab_size = self.runner.vocab_size
+        self.num_moe_layers = self.runner.num_moe_layers
 
     def execute(self, batch: Batch) -> StepOutput:
         out = self.runner.execute(batch)

@@ -88,6 +88,7 @@ class RayExecutor(Executor):
         self.kv_layout = first.kv_layout
         self.model_path = first.model_path
         self.vocab_size = first.vocab_size
+        self.num_moe_layers = first.num_moe_layers
 
     # ---------------------------------------------------------------- public
     @property
@@ -137,7 +138,7 @@ class RayExecutor(Executor):
         failure here leaves the group alone (the step path notices a dead shard).
         """
         shards = self._shards  # restart() swaps in a new list on the engine thread; an unstarted shard answers ()
-        if not shards:
+        if not shards or not self.num_moe_layers:  # a dense model: no call to make
             return ()
         try:
             counts: tuple[tuple[int, ...], ...] = ray.get(shards[0].expert_tokens.remote(),

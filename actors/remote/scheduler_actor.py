@@ -244,13 +244,14 @@ class SchedulerService:
         an executor restart); a read that fails or takes longer than
         ``EXPERT_TOKENS_TIMEOUT_S`` leaves them out of this snapshot.
         """
-        loop = asyncio.get_running_loop()
-        try:
-            experts = await asyncio.wait_for(loop.run_in_executor(None, self._engine.executor.expert_tokens),
-                                             EXPERT_TOKENS_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - metrics only: the rest of the snapshot still answers
-            logger.debug("expert counts unavailable", exc_info=True)
-            experts = ()
+        executor = self._engine.executor
+        experts: tuple[tuple[int, ...], ...] = ()
+        if executor.num_moe_layers:  # a dense model has none to read: no thread hop, no call
+            try:
+                experts = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                    None, executor.expert_tokens), EXPERT_TOKENS_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - metrics only: the rest of the snapshot still answers
+                logger.debug("expert counts unavailable", exc_info=True)
         return snapshot(self._engine, self._latency, experts)
 
     async def health(self) -> HealthStatus:

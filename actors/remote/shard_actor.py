@@ -73,6 +73,7 @@ class ShardInfo:
     kv_layout: KVLayout
     model_path: Path
     vocab_size: int
+    num_moe_layers: int
 
 
 class ModelShardActor:
@@ -110,6 +111,7 @@ class ModelShardActor:
         self._info = ShardInfo(
             rank=self.rank, world_size=self.world_size, node_id=_node_id(), pid=os.getpid(),
             capacity=runner.capacity, kv_layout=KVLayout.of(runner.pool), model_path=runner.model_path, vocab_size=runner.vocab_size,
+            num_moe_layers=runner.num_moe_layers,
         )
         return self._info
 

@@ -199,6 +199,7 @@ class ModelRunner:
             )  # fmt: skip
         # The expert-load counters are read on a stream of their own (expert_tokens); None: no MoE layer or no CUDA.
         moe_blocks = m.moe_blocks()
+        self.num_moe_layers = len(moe_blocks)
         self._counts_stream = torch.cuda.Stream(self.device) if moe_blocks and self.device.type == "cuda" else None
         # Last: capturing runs the model, which must be complete.
         self.graphs: DecodeGraphs | None = None

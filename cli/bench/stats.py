@@ -45,6 +45,12 @@ def parse_slo(items: list[str] | dict[str, float] | None) -> dict[str, float]:
     return out
 
 
+def check_count(name: str, value: object) -> None:
+    """A benchmark's count setting (runs, steps, a batch): an integer >= 1, else refused by ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidParameterError(name, f"must be an integer >= 1, got {value!r}")
+
+
 def _meets(r: RequestResult, slo: dict[str, float]) -> bool:
     values = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s, "itl": max(r.itl_s) if r.itl_s else None}
     for name, limit_ms in slo.items():

@@ -54,7 +54,7 @@ from cli.bench.decode_steps import check_idle, decode_pass, median_ms, random_pr
 from cli.bench.harness import OFFLINE_ENGINE_DEFAULTS, offline_engine
 from cli.bench.lora.adapters import write_adapters
 from cli.bench.lora.batch import BATCH_SIZE
-from cli.bench.stats import median_of_known, ratio
+from cli.bench.stats import check_count, median_of_known, ratio
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
@@ -95,10 +95,6 @@ class CyclePass:
                 "output_tok_per_s": round(self.output_tokens / self.seconds, 2), "steps": self.steps,
                 "mean_seqs_per_step": round(self.seqs_in_steps / self.steps, 2), "slot_loads": self.slot_loads}
 
-
-def _check_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidParameterError(name, f"must be an integer >= 1, got {value!r}")
 
 
 def cycle_pass(engine: LLMEngine, label: str, prompts: list[list[int]], loras: list[str | None],
@@ -237,7 +233,7 @@ def run(model: str, *, rank: int = 16, runs: int = 3, steps: int = 16, context: 
                         ("cycle_max_loras", cycle.max_loras), ("cycle_adapters", cycle.adapters),
                         ("cycle_requests", cycle.requests), ("cycle_prompt_len", cycle.prompt_len),
                         ("cycle_max_tokens", cycle.max_tokens), ("cycle_runs", cycle.runs)):
-        _check_positive(name, value)
+        check_count(name, value)
     if cycle.adapters <= cycle.max_loras:
         raise InvalidParameterError("cycle_adapters", f"must be above cycle_max_loras ({cycle.max_loras}) "
                                                       f"to cycle, got {cycle.adapters}")

@@ -34,7 +34,7 @@ from apps.llm import LLM
 from cli.bench.decode_steps import decode_pass, median_ms, random_prompts
 from cli.bench.harness import OFFLINE_ENGINE_DEFAULTS, measure, offline_engine
 from cli.bench.moe.models import PairShape, dense_config, ensure_model, moe_config, shape_dict
-from cli.bench.stats import ratio
+from cli.bench.stats import check_count, ratio
 from cli.plan.hardware import model_from_hf_config
 from cli.plan.planner import count_params, decode_bytes_per_step, expected_experts_touched
 from scheduling.errors import InvalidParameterError
@@ -48,10 +48,6 @@ PLAN_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torc
 def _status(message: str) -> None:
     print(f"flotilla bench moe: {message}", file=sys.stderr, flush=True)
 
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidParameterError(name, f"must be an integer >= 1, got {value!r}")
 
 
 def _arithmetic(config: dict[str, Any], *, dtype: str, context: int, batch: int) -> dict[str, Any]:
@@ -72,7 +68,7 @@ def run(*, shape: PairShape, batch: int = 32, prompt_len: int = 64, max_tokens: 
     """The figures (module docstring); the models are written under ``models_root`` (default: the model cache)."""
     for name, value in (("batch", batch), ("prompt_len", prompt_len), ("max_tokens", max_tokens),
                         ("steps", steps), ("runs", runs)):
-        _check_positive(name, value)
+        check_count(name, value)
     if "max_num_seqs" in engine:
         raise InvalidParameterError("max_num_seqs", "is set by bench moe: the batch (--batch)")
     configs = {"moe": moe_config(shape), "dense": dense_config(shape)}

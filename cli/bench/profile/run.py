@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from actors.engine.llm_engine import LLMEngine
 from cli.bench.decode_steps import check_idle, decode_pass, random_prompts
 from cli.bench.harness import OFFLINE_ENGINE_DEFAULTS, offline_engine
+from cli.bench.stats import check_count
 from cli.simulate.profile import Capacity, LinearProfile, StepShape
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
@@ -83,8 +84,8 @@ Shape = tuple[str, StepShape, list[list[int]]]  # a name, the step's shape, the 
 
 
 def check_settings(runs: int, steps: int) -> None:
-    if runs < 1 or steps < 1:
-        raise InvalidParameterError("runs" if runs < 1 else "steps", "must be >= 1")
+    check_count("runs", runs)
+    check_count("steps", steps)
 
 
 def step_shapes(prefill_tokens: tuple[int, ...], decode_batches: tuple[int, ...], decode_contexts: tuple[int, ...],

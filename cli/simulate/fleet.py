@@ -86,8 +86,11 @@ class FleetConfig:
     startup_s: float = 30.0  # from the scale-up decision to a replica taking requests
     tick_s: float = 1.0
     initial_replicas: int | None = None  # per pool; None: its min_replicas (at least 1)
-    # Replicas sharing one host's CPU cores (a CPU machine; None: each replica has its own device): a step
-    # that starts while b replicas are stepping takes max(1, b / host_cores) times the profile's time.
+    # Replicas sharing one host's CPU cores (a CPU machine): a step that starts while b replicas are stepping,
+    # s are starting and w requests wait in replicas' queues takes max(1, (b + s + 1 + c x w) / host_cores)
+    # times the profile's time (a starting replica builds its actors and model on the same cores; c is the
+    # profile's host_share_per_waiting). None: the profile's measured figure (``bench profile
+    # --served --host-replicas``), else each replica has its own device.
     host_cores: float | None = None
     disaggregation: Disaggregation | None = None
 
@@ -140,6 +143,7 @@ class Fleet:
 
     def __init__(self, profile: StepProfile, config: FleetConfig, seed: int = 0) -> None:
         self.profile = profile
+        self._host_cores = config.host_cores if config.host_cores is not None else profile.host_cores
         self.config = config
         pd = config.disaggregation
         main = Pool("decode" if pd else "r", profile, config.autoscaling, config.policy,
@@ -192,15 +196,22 @@ class Fleet:
             self._place(self.main, Work(rid, now, a.prompt_tokens, a.output_tokens), now)
 
     def _start(self, replica: SimReplica, now: float) -> None:
-        slowdown = 1.0
-        if self.config.host_cores is not None:
-            slowdown = max(1.0, (self._busy + 1) / self.config.host_cores)
-        end = replica.start_step(now, slowdown)
+        end = replica.start_step(now, None if self._host_cores is None else lambda: self._host_slowdown(now))
         if end is not None:
             self._busy += 1
             self._push(end, _STEP, replica)
         else:
             self._pool_of[replica.name].stop_if_drained(replica, now)
+
+    def _host_slowdown(self, now: float) -> float:
+        """A step starting now on a shared host (``FleetConfig.host_cores``); a CPU host has few replicas,
+        so counting them per step is cheap."""
+        assert self._host_cores is not None
+        load = self._busy + 1.0
+        for r in self.replicas:
+            if r.stopped is None:
+                load += (r.ready_at > now) + self.profile.host_share_per_waiting * len(r.scheduler.waiting)
+        return max(1.0, load / self._host_cores)
 
     # ---------------------------------------------------------------- run
     def run(self, trace: list[Arrival], give_up: GiveUp | None = None) -> FleetRun:

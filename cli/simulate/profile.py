@@ -74,6 +74,16 @@ class StepProfile(Protocol):
         """The replica's limits."""
         ...
 
+    @property
+    def host_cores(self) -> float | None:
+        """Replicas' steps the host runs at full speed at once (measured on a shared host), else None."""
+        ...
+
+    @property
+    def host_share_per_waiting(self) -> float:
+        """With ``host_cores``: a waiting request's share of the host, as a fraction of a busy replica."""
+        ...
+
     def step_seconds(self, shape: StepShape) -> float:
         """Seconds one step of ``shape`` takes."""
         ...
@@ -95,6 +105,12 @@ class LinearProfile:
     per_context_token_s: float
     per_prefill_pair_s: float
     source: str = ""
+    # How many replicas' steps the host runs at full speed at once (``bench profile --served
+    # --host-replicas``); None: each replica has its own device. ``FleetConfig.host_cores`` overrides it.
+    host_cores: float | None = None
+    # With host_cores: what one request waiting in a replica's queue costs the host, as a share of a busy
+    # replica (its open stream and queue entries; measured with host_cores).
+    host_share_per_waiting: float = 0.0
     kind: Literal["linear"] = "linear"
 
     def step_seconds(self, shape: StepShape) -> float:
@@ -120,6 +136,8 @@ class RooflineProfile:
     tp: int = 1
     overhead_s: float = ROOFLINE_OVERHEAD_S
     source: str = ""
+    host_cores: None = None  # each replica has its own GPUs
+    host_share_per_waiting: float = 0.0
     kind: Literal["roofline"] = "roofline"
 
     def step_seconds(self, shape: StepShape) -> float:

@@ -15,6 +15,7 @@ which the autoscaler reads, as a real replica's does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.engine.outputs import SequenceDelta, SequenceTiming
@@ -88,9 +89,10 @@ class SimReplica:
         self.tracked[rid] = Tracked(arrival, prompt_tokens, first_token=first_token_at, last_token=first_token_at,
                                     produced=1)
 
-    def start_step(self, now: float, slowdown: float = 1.0) -> float | None:
-        """Schedule a step at ``now``, taking ``slowdown`` times the profile's time (replicas sharing a host's
-        cores); its end time, or None when there is nothing to run."""
+    def start_step(self, now: float, slowdown: Callable[[], float] | None = None) -> float | None:
+        """Schedule a step at ``now``, taking ``slowdown()`` times the profile's time (replicas sharing a host's
+        cores; asked once the step is scheduled, so its requests no longer wait); its end time, or None when
+        there is nothing to run."""
         batch = self.scheduler.schedule()
         if batch is None:
             self.busy_until = None
@@ -105,7 +107,7 @@ class SimReplica:
                           context_tokens=sum(batch.context_lens), attention_pairs=pairs, prefill_pairs=prefill_pairs)
         self._batch = batch
         self.steps += 1
-        self.busy_until = now + self.profile.step_seconds(shape) * slowdown
+        self.busy_until = now + self.profile.step_seconds(shape) * (slowdown() if slowdown is not None else 1.0)
         return self.busy_until
 
     def finish_step(self, now: float) -> list[tuple[str, RequestResult]]:

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from cli.bench.profile import served
 from cli.bench.profile.run import fit, run
-from cli.bench.profile.served import run_served
+from cli.bench.profile.served import fit_host_cores, run_served
 from cli.main import main
 from cli.simulate.profile import LinearProfile, StepShape, load_profile
+from scheduling.errors import InvalidParameterError
 
 
 def test_the_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
@@ -45,10 +47,32 @@ def test_a_small_run_writes_a_profile_simulate_reads(tmp_path: Path, capsys: pyt
     assert json.loads(capsys.readouterr().out)["finished"] > 0
 
 
-def test_a_served_profile_times_the_shapes_through_a_replica() -> None:
-    """One replica of tiny on a local Ray cluster, over HTTP: every point measured, the replica's limits kept."""
+def test_host_cores_fit_the_simulators_slowdown_rule() -> None:
+    assert fit_host_cores({1: 1.0, 2: 2.0, 4: 4.0}) == pytest.approx(1.0)
+    assert fit_host_cores({1: 1.0, 2: 1.0, 4: 2.0}) == pytest.approx(20 / 10)  # sum K^2 / sum K s_K
+    with pytest.raises(InvalidParameterError) as err:
+        fit_host_cores({1: 1.0})
+    assert err.value.param == "host_replicas"
+
+
+def test_host_replicas_need_a_served_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "profile", "--host-replicas", "2"]) == 2
+    assert "host_replicas" in capsys.readouterr().err
+
+
+def test_a_served_profile_times_the_shapes_through_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One replica of tiny on a local Ray cluster, over HTTP: every point measured, the replica's limits kept;
+    then one and two replicas busy, and two with requests waiting: the host's share measured (shorter
+    decodes and queues than a real measurement's, to keep the test short)."""
+    monkeypatch.setattr(served, "HOST_STEPS", 16)
+    monkeypatch.setattr(served, "HOST_WAITING_PER_REPLICA", 8)
     out = run_served("tiny", runs=1, steps=2, num_cpus=2, prefill_tokens=(16, 64), decode_batches=(1, 2),
-                     decode_contexts=(32,), num_kv_pages=64, max_num_seqs=2, cpu_threads=1)
+                     decode_contexts=(32,), num_kv_pages=64, max_num_seqs=2, cpu_threads=1, host_replicas=(2,))
+    host = out["host"]
+    assert host["replicas"] == [1, 2] and all(t > 0 for t in host["step_ms"]) and host["slowdown"][0] == 1.0
+    assert host["waiting"] == 2 * 8 and host["waiting_step_ms"] > 0 and host["output_tokens"] == 17
+    assert len(host["start_s"]) == 2 and host["host_share_per_waiting"] >= 0
+    assert out["profile"]["host_cores"] == pytest.approx(2 / host["slowdown"][1], rel=1e-2)  # K=2 alone: 2/s_2
     assert [p["shape"] for p in out["points"]] == ["prefill16", "prefill64", "decode1x32", "decode2x32"]
     assert all(p["ms"] > 0 for p in out["points"])
     capacity = out["profile"]["capacity"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -184,6 +185,26 @@ def test_replicas_sharing_host_cores_slow_each_other_down() -> None:
     with pytest.raises(InvalidParameterError) as err:
         FleetConfig(host_cores=0)
     assert err.value.param == "host_cores"
+
+
+def test_a_measured_host_share_counts_starting_replicas_and_waiting_requests() -> None:
+    """The profile's host_cores applies without a config figure; a starting replica takes a share of the host
+    as a stepping one does, and each waiting request its measured fraction of one."""
+    profile = dataclasses.replace(_profile(0.01, max_num_seqs=1), host_cores=1.0, host_share_per_waiting=0.5)
+    one = AutoscalingConfig(min_replicas=1, max_replicas=1)
+    fleet = Fleet(profile, FleetConfig(startup_s=0, autoscaling=one))
+    # A, then B and C while A runs: B's step starts with C waiting (1 + 0.5 -> 15 ms), C's with none.
+    run = fleet.run([Arrival(0.0, 10, 1), Arrival(0.001, 10, 1), Arrival(0.002, 10, 1)])
+    assert [r.ttft_s for r in sorted(run.results, key=lambda r: r.start_s)] == pytest.approx(
+        [0.01, 0.025 - 0.001, 0.035 - 0.002])
+    _all_pages_free(fleet)
+    fleet = Fleet(profile, FleetConfig(startup_s=0, autoscaling=one))
+    fleet.pools[0].add_replica(0.0, ready_at=60.0)  # asked for, still starting when the request runs
+    run = fleet.run([Arrival(0.0, 10, 1)])
+    assert run.results[0].ttft_s == pytest.approx(0.02)
+    # A config's figure overrides the profile's.
+    fleet = Fleet(profile, FleetConfig(startup_s=0, autoscaling=one, host_cores=4.0))
+    assert fleet.run([Arrival(0.0, 10, 1), Arrival(0.001, 10, 1)]).results[1].ttft_s == pytest.approx(0.019)
 
 
 def test_the_default_policy_acts_once_its_direction_held_for_the_delay() -> None:

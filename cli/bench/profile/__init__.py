@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from scheduling.errors import InvalidParameterError
+
 
 def _ints(text: str) -> tuple[int, ...]:
     """``16,64,256`` -> (16, 64, 256): positive integers."""
@@ -57,6 +59,9 @@ class ProfileBench:
                             help="time the shapes as a client of one served replica (local Ray, HTTP on "
                                  "loopback): what a replica of the app costs, for simulating the app (embedded "
                                  "models' vocabulary)")
+        parser.add_argument("--host-replicas", type=_ints, default=None, metavar="K,K,...",
+                            help="with --served: also time K replicas busy at once for each K and fit how many "
+                                 "replicas' steps this host runs at full speed (the profile's host_cores)")
         parser.add_argument("--out", default=None, help="also write the profile JSON here (simulate --profile)")
         parser.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
         parser.add_argument("--json", action="store_true", help="accepted for symmetry: the output is one JSON object")
@@ -76,13 +81,16 @@ class ProfileBench:
                                     ("max_model_len", args.max_model_len)) if v is not None}
         shapes = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("decode_batches", args.decode_batches),
                                     ("decode_contexts", args.decode_contexts)) if v is not None}
+        if args.host_replicas and not args.served:
+            raise InvalidParameterError("host_replicas", "needs --served (replicas of the app share the host)")
         if args.served:
             # stdout carries the JSON alone: what Ray prints meanwhile (its teardown included) goes to stderr.
             with contextlib.redirect_stdout(sys.stderr):
                 out = run_served(args.model, runs=args.runs, steps=args.steps, seed=args.seed,
                                  prefill_tokens=args.prefill_tokens or PREFILL_TOKENS,
                                  decode_batches=args.decode_batches or DECODE_BATCHES,
-                                 decode_contexts=args.decode_contexts or DECODE_CONTEXTS, **engine)
+                                 decode_contexts=args.decode_contexts or DECODE_CONTEXTS,
+                                 host_replicas=args.host_replicas or (), **engine)
         else:
             out = run(args.model, runs=args.runs, steps=args.steps, seed=args.seed, progress=args.progress,
                       **shapes, **engine)

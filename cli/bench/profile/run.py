@@ -105,11 +105,12 @@ def step_shapes(prefill_tokens: tuple[int, ...], decode_batches: tuple[int, ...]
 
 
 def report(shapes: list[Shape], times: dict[str, list[float]], capacity: Capacity, source: str, *, runs: int,
-           steps: int) -> dict[str, Any]:
+           steps: int, host_cores: float | None = None, host_share_per_waiting: float = 0.0) -> dict[str, Any]:
     """The fitted profile, every point beside its fit, and the worst relative error."""
     points = [(shape, statistics.median(times[name])) for name, shape, _ in shapes]
     c0, c_tok, c_seq, c_prefill, c_ctx, c_pair = fit(points)
-    profile = LinearProfile(capacity, c0, c_tok, c_seq, c_prefill, c_ctx, c_pair, source=source)
+    profile = LinearProfile(capacity, c0, c_tok, c_seq, c_prefill, c_ctx, c_pair, source=source,
+                            host_cores=host_cores, host_share_per_waiting=host_share_per_waiting)
     rows = []
     worst = 0.0
     for (name, shape, _), (_, seconds) in zip(shapes, points, strict=True):

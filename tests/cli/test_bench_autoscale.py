@@ -50,6 +50,7 @@ def test_summary_counts_goodput_breach_and_replica_seconds() -> None:
     assert out["first_errors"] == ["HTTP 500"]
     assert out["goodput_rps"] == pytest.approx(1 / 8)
     assert out["replica_seconds"] == 14 and out["peak_replicas"] == 3 and out["final_replicas"] == 1
+    assert out["held_replica_seconds"] == 14 + 2 + 2  # the starting and the stopping ones too
     assert out["first_breach_s"] == 2.0  # sent at 1 s, no first token by 1 s + 1000 ms
     assert (out["replicas_ge_3_at_s"], out["scale_up_s_after_breach"]) == (4, 2.0)
     assert (out["back_to_min_at_s"], out["scale_down_s_after_load"]) == (7, 2.0)

@@ -22,6 +22,7 @@ from cli.bench.pd.workload import PDWorkload, WorkloadResult
 from cli.bench.stats import ratio
 from cli.bench.stream_client import RequestResult
 from cli.main import build_parser, main
+from cli.simulate.trace import read_jsonl
 from cluster.metric_families import TRANSFER_BUCKETS
 from cluster.metrics import ReplicaMetrics
 from scheduling.errors import InvalidParameterError
@@ -153,11 +154,13 @@ def test_settings_that_would_not_compare_what_is_described_are_refused(capsys: p
     assert (args.streams, args.long_tokens, args.remote_prefill_min_tokens) == (4, 2048, 512)
 
 
-def test_a_whole_run_prints_both_modes(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_whole_run_prints_both_modes(tiny_model_dir: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "pd", "--model", str(tiny_model_dir), "--json", "--cores", "2", "--streams", "2",
                "--duration-s", "3", "--long-every-s", "1", "--long-tokens", "128", "--long-max-tokens", "4",
                "--remote-prefill-min-tokens", "64", "--short-tokens", "16", "--output-tokens", "4", "8",
-               "--max-model-len", "256", "--num-kv-pages", "128", "--num-cpus", "4", "--bandwidth-runs", "2"])
+               "--max-model-len", "256", "--num-kv-pages", "128", "--num-cpus", "4", "--bandwidth-runs", "2",
+               "--trace-out", str(tmp_path / "sent")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)  # stdout holds the JSON alone
     for mode in ("colocated", "disaggregated"):
@@ -170,3 +173,8 @@ def test_a_whole_run_prints_both_modes(tiny_model_dir: Path, capsys: pytest.Capt
     assert dis["kv_bytes_per_token"] == 4096.0  # tiny: 2 (K, V) x 4 layers x 4 KV heads x 32 dims x 4 bytes
     assert dis["kv_transfer_ms_p50"] is not None and dis["expected_transfer_ms"] > 0
     assert out["tpot_p95_ratio"] is not None and out["goodput_ratio"] is not None
+    for mode in ("colocated", "disaggregated"):  # what each mode sent, as simulate reads it
+        sent = read_jsonl(tmp_path / f"sent_{mode}.jsonl")
+        assert len(sent) == out[mode]["requests"] and sent == sorted(sent, key=lambda a: a.t)
+        assert sum(a.prompt_tokens == 128 and a.output_tokens == 4 for a in sent) == 3  # the long prompts
+        assert all(a.prompt_tokens == 16 and 4 <= a.output_tokens <= 8 for a in sent if a.prompt_tokens != 128)

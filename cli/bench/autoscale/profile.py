@@ -252,6 +252,8 @@ def summarize(result: RunResult, *, slo_ttft_ms: float, slo_tpot_ms: float, min_
         "good_requests": len(good),
         "goodput_rps": round(len(good) / duration, 3) if duration else 0.0,
         "replica_seconds": sum(s.replicas or 0 for s in known),
+        # Also those starting or stopping: what the fleet holds, as `flotilla simulate` counts it.
+        "held_replica_seconds": sum((s.replicas or 0) + (s.replicas_changing or 0) for s in known),
         "peak_replicas": max((s.replicas or 0 for s in known), default=None),
         "final_replicas": known[-1].replicas if known else None,
         "first_breach_s": round(breach, 2) if breach is not None else None,

@@ -48,6 +48,9 @@ class PDBench:
                        help="goodput SLOs: ttft:MS tpot:MS (as bench serve) or ttft_ms=MS,tpot_ms=MS "
                             f"(default {' '.join(DEFAULT_SLO)})")
         w.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+        w.add_argument("--trace-out", default=None, metavar="PREFIX",
+                       help="also write each mode's requests as sent to PREFIX_colocated.jsonl and "
+                            "PREFIX_disaggregated.jsonl (flotilla simulate --trace)")
         e = sp.add_argument_group("apps")
         e.add_argument("--cores", type=int, default=None,
                        help="forward threads: all to the colocated replica, split between the prefill (half, "

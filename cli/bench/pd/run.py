@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,6 +27,7 @@ from cli.bench.pd.report import mode_report, parse_pd_slo, transfer_report
 from cli.bench.pd.workload import PDWorkload, WorkloadResult, run_workload, send
 from cli.bench.stats import ratio
 from cli.bench.stream_client import resolve_model
+from cli.simulate.trace import Arrival, write_jsonl
 from scheduling.errors import InvalidParameterError
 
 MODES = ("colocated", "disaggregated")
@@ -119,6 +121,11 @@ def main(args: argparse.Namespace) -> int:
         if moved.remote_prefills > 0:  # else there is no payload size to time (the report shows 0 prefills)
             per_prompt = int(moved.kv_bytes / moved.remote_prefills)
             bandwidth = measure_bandwidth(per_prompt, args.bandwidth_runs)
+    if args.trace_out:  # what each mode sent, as `flotilla simulate --trace` reads it (tokens from usage)
+        for mode, (result, _) in runs.items():
+            sent = sorted((r for r in [*result.short, *result.long] if r.ok), key=lambda r: r.start_s)
+            write_jsonl([Arrival(r.start_s, r.prompt_tokens, r.output_tokens) for r in sent],
+                        Path(f"{args.trace_out}_{mode}.jsonl"))
     colocated = mode_report(runs["colocated"][0], slo)
     disaggregated = {**mode_report(runs["disaggregated"][0], slo),
                      **transfer_report(runs["disaggregated"][1], plan.long_tokens, bandwidth)}

@@ -58,6 +58,9 @@ def test_host_cores_fit_the_simulators_slowdown_rule() -> None:
 def test_host_replicas_need_a_served_profile(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "profile", "--host-replicas", "2"]) == 2
     assert "host_replicas" in capsys.readouterr().err
+    # Refused before any cluster starts: one replica alone has nothing to compare against.
+    assert main(["bench", "profile", "--served", "--num-kv-pages", "64", "--host-replicas", "1"]) == 2
+    assert "host_replicas" in capsys.readouterr().err
 
 
 def test_a_served_profile_times_the_shapes_through_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:

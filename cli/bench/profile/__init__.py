@@ -36,7 +36,8 @@ class ProfileBench:
         parser.add_argument("--model", default="tiny",
                             help="model folder, .gguf file, hub id, tiny/small, or smollm2-135m")
         parser.add_argument("--runs", type=int, default=3, help="passes over every shape (medians)")
-        parser.add_argument("--steps", type=int, default=8, help="decode steps timed per decode shape and pass")
+        parser.add_argument("--steps", type=int, default=None,
+                            help="decode steps timed per decode shape and pass (default 8 offline, 64 --served)")
         parser.add_argument("--seed", type=int, default=0, help="of the prompts")
         parser.add_argument("--dtype", default=None)
         parser.add_argument("--cpu-threads", type=int, default=None,
@@ -70,10 +71,11 @@ class ProfileBench:
         from cli.bench.profile.run import (  # import cost
             DECODE_BATCHES,
             DECODE_CONTEXTS,
+            OFFLINE_STEPS,
             PREFILL_TOKENS,
             run,
         )
-        from cli.bench.profile.served import run_served  # (cli.bench.registry)
+        from cli.bench.profile.served import SERVED_STEPS, run_served  # (cli.bench.registry)
 
         engine = {k: v for k, v in (("dtype", args.dtype), ("cpu_threads", args.cpu_threads),
                                     ("num_kv_pages", args.num_kv_pages), ("max_num_seqs", args.max_num_seqs),
@@ -86,13 +88,15 @@ class ProfileBench:
         if args.served:
             # stdout carries the JSON alone: what Ray prints meanwhile (its teardown included) goes to stderr.
             with contextlib.redirect_stdout(sys.stderr):
-                out = run_served(args.model, runs=args.runs, steps=args.steps, seed=args.seed,
+                steps = SERVED_STEPS if args.steps is None else args.steps
+                out = run_served(args.model, runs=args.runs, steps=steps, seed=args.seed,
                                  prefill_tokens=args.prefill_tokens or PREFILL_TOKENS,
                                  decode_batches=args.decode_batches or DECODE_BATCHES,
                                  decode_contexts=args.decode_contexts or DECODE_CONTEXTS,
                                  host_replicas=args.host_replicas or (), **engine)
         else:
-            out = run(args.model, runs=args.runs, steps=args.steps, seed=args.seed, progress=args.progress,
+            steps = OFFLINE_STEPS if args.steps is None else args.steps
+            out = run(args.model, runs=args.runs, steps=steps, seed=args.seed, progress=args.progress,
                       **shapes, **engine)
         if args.out:
             path = Path(args.out)

@@ -38,6 +38,7 @@ from scheduling.sampling_params import SamplingParams
 PREFILL_TOKENS = (16, 64, 256, 1024, 2048)
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 DECODE_CONTEXTS = (64, 512, 1536)
+OFFLINE_STEPS = 8  # decode steps timed per shape: an offline step is the same from the first
 
 
 def _status(message: str) -> None:
@@ -123,7 +124,7 @@ def report(shapes: list[Shape], times: dict[str, list[float]], capacity: Capacit
             "steps": steps}
 
 
-def run(model: str, *, runs: int = 3, steps: int = 8, seed: int = 0, progress: bool = False,
+def run(model: str, *, runs: int = 3, steps: int = OFFLINE_STEPS, seed: int = 0, progress: bool = False,
         prefill_tokens: tuple[int, ...] = PREFILL_TOKENS, decode_batches: tuple[int, ...] = DECODE_BATCHES,
         decode_contexts: tuple[int, ...] = DECODE_CONTEXTS, **engine: Any) -> dict[str, Any]:
     check_settings(runs, steps)

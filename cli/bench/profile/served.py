@@ -65,6 +65,9 @@ ACTOR_CPUS = 0.1
 # together for most of their time (with 8, those sent at once to 4 replicas hardly overlapped: 5.4 ms per
 # step against 15 ms with 400).
 HOST_STEPS = 128
+# Decode steps timed per shape: a stream's first few tokens come out faster than its steady rate (over 8
+# steps a 2-sequence decode of tiny measured 2.3 ms, over 64 the 4.0 to 4.7 ms a long stream sees).
+SERVED_STEPS = 64
 # Requests per replica kept waiting behind the busy slots to time what a queue costs the host (a backlog
 # of 200 across 4 replicas slowed their steps by a third here).
 HOST_WAITING_PER_REPLICA = 64
@@ -167,7 +170,7 @@ def _host_share(port: int, app: dict[str, Any], replicas: tuple[int, ...], conte
             "output_tokens": HOST_STEPS + 1, "start_s": [round(t, 1) for t in start_s.values()]}
 
 
-def run_served(model: str, *, runs: int = 3, steps: int = 8, seed: int = 0, num_cpus: int = 4,
+def run_served(model: str, *, runs: int = 3, steps: int = SERVED_STEPS, seed: int = 0, num_cpus: int = 4,
                prefill_tokens: tuple[int, ...], decode_batches: tuple[int, ...], decode_contexts: tuple[int, ...],
                host_replicas: tuple[int, ...] = (),
                **engine: Any) -> dict[str, Any]:
@@ -183,8 +186,8 @@ def run_served(model: str, *, runs: int = 3, steps: int = 8, seed: int = 0, num_
     if max(prefill_tokens) > options["max_num_batched_tokens"]:
         raise InvalidParameterError("max_num_batched_tokens", "is below the largest prefill")
     shapes = step_shapes(prefill_tokens, decode_batches, decode_contexts, steps=steps, vocab=VOCAB_SIZE, seed=seed)
-    if host_replicas and min(host_replicas) < 1:
-        raise InvalidParameterError("host_replicas", f"must be >= 1, got {host_replicas}")
+    if host_replicas and (min(host_replicas) < 1 or max(host_replicas) < 2):
+        raise InvalidParameterError("host_replicas", f"needs counts >= 1, one of them above 1; got {host_replicas}")
     app = {"model": model, "served_model_name": "profiled", **options,
            "replica_options": {"num_cpus": ACTOR_CPUS}, "scheduler_options": {"num_cpus": ACTOR_CPUS}}
     host: dict[str, Any] | None = None

@@ -152,6 +152,9 @@ class LLMServer(ReplicaStats):
             raise InvalidParameterError("max_queued_requests", f"must be >= 0, got {max_queued_requests}")
         # Requests this replica holds at once: a full batch running plus a bounded queue behind it.
         self.capacity = self.config.max_num_seqs + max_queued_requests
+        # Requests admitted whose streams are not open yet (their body is read and encoded meanwhile): they
+        # hold their slot from the capacity check on, so a burst arriving at once cannot all pass it.
+        self._admitting = 0
         self.model_name = rq.served_name(served_model_name, self.config.model)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -310,9 +313,19 @@ class LLMServer(ReplicaStats):
             p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]:
         """Parse and check a generation request: ``(request, model, prompts' token ids, their params)``."""
         self.auth.check(request.headers.get("authorization"))
-        if self._fanout.num_open >= self.capacity:
+        if self._fanout.num_open + self._admitting >= self.capacity:
             raise APIError(429, f"this replica is at capacity ({self.capacity} requests in flight); "
                                 f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
+        self._admitting += 1  # no await since the check: released by _generate once the streams open
+        try:
+            return await self._admitted_inputs(request, kind)
+        except BaseException:
+            self._admitting -= 1
+            raise
+
+    async def _admitted_inputs(self, request: Request, kind: RequestKind) -> tuple[
+            p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]:
+        """``_inputs`` past the capacity check, holding one admitted slot."""
         body = await read_body(request, self.max_body_bytes)
         req: p.CompletionRequest | p.ChatCompletionRequest
         if kind is RequestKind.COMPLETION:
@@ -331,7 +344,7 @@ class LLMServer(ReplicaStats):
         params = [replace(rq.to_sampling_params(req, max_model_len=self.config.max_model_len,
                                                 num_prompt_tokens=len(one)), lora=lora)
                   for one in ids]  # fmt: skip
-        if len(ids) > 1 and self._fanout.num_open + len(ids) > self.capacity:
+        if len(ids) > 1 and self._fanout.num_open + self._admitting - 1 + len(ids) > self.capacity:
             raise APIError(429, f"this replica cannot take a batch of {len(ids)} prompts now; "
                                 f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
         return req, model, ids, params
@@ -346,6 +359,7 @@ class LLMServer(ReplicaStats):
         queue = self._fanout.open(engine_ids[0])
         for eid in engine_ids[1:]:
             self._fanout.open(eid, queue)
+        self._admitting -= 1  # the open streams hold the slots now
         submitted = [self._submit(eid, ids, ps) for eid, ids, ps in zip(engine_ids, prompts, params, strict=True)]
         try:
             # Shielded: a cancel of this handler must not cancel a submit, whose end the abort below awaits.

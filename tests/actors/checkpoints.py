@@ -252,6 +252,35 @@ def hf_logits(hf_model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
+# Router probabilities of the k-th and the next expert closer than this are a tie fp32 rounding decides: the
+# expert chosen there, and every token after it, may differ between two correct implementations.
+ROUTER_TIE = 1e-6
+
+
+def router_near_tie(hf_model: PreTrainedModel, ids: list[int]) -> bool:
+    """Whether HF's forward over ``ids`` meets a top-k routing near-tie (``ROUTER_TIE``) in any MoE layer at any
+    position; False for a dense model. HF's routers take the top k of ``softmax(x @ weight.T)``."""
+    gaps: list[float] = []
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], _out: object) -> None:
+        top_k = int(module.top_k)  # type: ignore[arg-type]
+        x = args[0].reshape(-1, args[0].shape[-1])
+        probs = torch.softmax(torch.nn.functional.linear(x, module.weight).float(), dim=-1)
+        ranked = torch.sort(probs, dim=-1, descending=True).values
+        gaps.append(float((ranked[:, top_k - 1] - ranked[:, top_k]).min()))
+
+    routers = [m for m in hf_model.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [m.register_forward_hook(hook) for m in routers]
+    try:
+        with torch.inference_mode():
+            hf_model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(gaps) == len(routers)
+    return bool(gaps) and min(gaps) < ROUTER_TIE
+
+
 def hf_greedy(hf_model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
     """HF ``generate`` greedy continuation that never stops early at EOS."""
     with torch.inference_mode():

@@ -7,6 +7,13 @@ expert, Gemma's sandwich norms, local RoPE base and soft cap, Phi-3's fused
 checkpoint tensors). Greedy tokens must equal HF ``generate``'s in each of the
 engine oracle's five scheduling modes, and the top-20 logprobs of every
 generated position must be within 1e-4 of HF's (fp32).
+
+A prompt whose HF path meets a routing near-tie (two experts' router
+probabilities within ``ROUTER_TIE``, which fp32 rounding decides) is left
+out of the greedy comparison: past it, either expert is correct and the
+tokens may part (a Qwen2-MoE prompt here has a gap of 3e-8 in its first
+layer, and the engine picks the other expert). At most two prompts may be
+left out, so the comparison cannot empty itself.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from actors.engine.outputs import RequestOutput
 from actors.load.embedded import build_tokenizer
 from actors.models.registry import (
     SUPPORTED_ARCHITECTURES,
@@ -36,6 +44,7 @@ from tests.actors.checkpoints import (
     gemma3_config,
     hf_greedy,
     qwen3_moe_config,
+    router_near_tie,
     write_checkpoint,
 )
 from tests.actors.test_engine_oracle import (
@@ -51,14 +60,26 @@ MAX_TOKENS = 12
 assert sum(len(p) > WINDOW for p in PROMPTS) >= 10
 
 
+# A family's name, its checkpoint, the HF oracle, HF's greedy tokens per prompt, and the prompts compared
+# (those whose HF path has no routing near-tie).
+Family = tuple[str, Path, PreTrainedModel, list[list[int]], list[int]]
+
+
 @pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, PreTrainedModel, list[list[int]]]:
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     name: str = request.param
     make = FAMILY_CONFIGS[name]
     folder = write_checkpoint(tmp_path_factory.mktemp(name), make(), seed=3)
     build_tokenizer().save_pretrained(folder)
     hf = build_hf_model(make(), 3)
-    return name, folder, hf, [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    compared = [i for i, (p, e) in enumerate(zip(PROMPTS, expected, strict=True)) if not router_near_tie(hf, p + e)]
+    assert len(compared) >= len(PROMPTS) - 2, f"{name}: routing near-ties on {len(PROMPTS) - len(compared)} prompts"
+    return name, folder, hf, expected, compared
+
+
+def _greedy(outs: list[RequestOutput], compared: list[int]) -> list[list[int]]:
+    return [outs[i].outputs[0].token_ids for i in compared]
 
 
 def _engine(folder: Path, **overrides: Any) -> LLM:
@@ -71,34 +92,35 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_matches_hf_in_every_mode(family: tuple[str, Path, PreTrainedModel, list[list[int]]], mode: str) -> None:
-    _, folder, _, expected = family
+def test_greedy_matches_hf_in_every_mode(family: Family, mode: str) -> None:
+    _, folder, _, expected, compared = family
+    want = [expected[i] for i in compared]
     llm = _engine(folder, **MODES[mode])
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert _greedy(outs, compared) == want
     if mode == "preemption":
         assert llm.engine.scheduler.stats.num_preemptions > 0
     if mode == "prefix_on":
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in again] == expected
+        assert _greedy(again, compared) == want
         assert sum(o.num_cached_tokens for o in again) > 0
     assert_pool_clean(llm)
 
 
 @pytest.mark.parametrize("backend", ["flashinfer_emulator", "flashinfer_static_decode"])
-def test_flashinfer_backend_matches_hf(family: tuple[str, Path, PreTrainedModel, list[list[int]]], backend: str) -> None:
+def test_flashinfer_backend_matches_hf(family: Family, backend: str) -> None:
     """Windows through FlashInfer's ``window_left`` (the tests' CPU emulator of its kernels), with chunked prefill."""
-    _, folder, _, expected = family
+    _, folder, _, expected, compared = family
     llm = _engine(folder, **MODES["chunked_small_budget"], **BACKENDS[backend])
     assert_backend(llm, backend)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert _greedy(outs, compared) == [expected[i] for i in compared]
     assert_pool_clean(llm)
 
 
-def test_top20_logprobs_match_hf(family: tuple[str, Path, PreTrainedModel, list[list[int]]]) -> None:
+def test_top20_logprobs_match_hf(family: Family) -> None:
     """Every generated position (prefill's last row, then decodes past the window) within 1e-4 of HF."""
-    _, folder, hf, _ = family
+    _, folder, hf, _, _ = family
     llm = _engine(folder)
     prompts = [p for p in PROMPTS if len(p) > WINDOW][:4]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=20)

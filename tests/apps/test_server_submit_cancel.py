@@ -22,6 +22,8 @@ from apps.request_kind import RequestKind
 from apps.server import LLMServer
 from scheduling.sampling_params import SamplingParams
 
+WAIT_S = 30.0  # bounds every wait of a scenario: a broken handler fails the test instead of hanging it
+
 PROMPT = list(range(40))
 
 
@@ -102,8 +104,10 @@ def replica(scheduler: Scheduler, pd: bool) -> Any:
     server: Any = object.__new__(LLMServer.func_or_class)
     server._scheduler, server._fanout, server._tasks = scheduler, Fanout(), set()
     server._remote = RemotePrefill(PrefillPool(), scheduler, min_tokens=1) if pd else None
+    server._admitting = 0
 
     async def inputs(request: Any, kind: RequestKind) -> tuple[Any, str, list[list[int]], list[SamplingParams]]:
+        server._admitting += 1  # as the real one: admitted, its slot held until the streams open
         return p.CompletionRequest(prompt="x"), "tiny", [PROMPT], [SamplingParams(max_tokens=8)]
 
     server._inputs = inputs
@@ -117,13 +121,19 @@ def test_a_handler_cancelled_after_the_scheduler_took_its_request_aborts_it(pd: 
         scheduler = Scheduler(in_replica=in_replica)
         server = replica(scheduler, pd)
         handler = asyncio.create_task(server._generate(None, RequestKind.COMPLETION))
-        await scheduler.took.wait()  # the scheduler holds the request; its reply is not back yet
+        # The scheduler holds the request; its reply is not back yet (bounded: a handler that failed before
+        # submitting would leave this waiting for ever).
+        took = asyncio.ensure_future(scheduler.took.wait())
+        await asyncio.wait({took, handler}, timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        assert took.done(), f"the handler never submitted: {handler.exception() if handler.done() else 'stuck'}"
         handler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await handler
         scheduler.gate.set()  # the reply arrives after the client left
         while server._tasks:  # the detached aborts
-            await asyncio.wait(set(server._tasks))
+            done, _ = await asyncio.wait(set(server._tasks), timeout=WAIT_S)
+            assert done, "a detached abort is stuck"
+        assert server._admitting == 0  # the slot passed to the open stream
         return scheduler.taken, scheduler.aborted
 
     taken, aborted = asyncio.run(scenario())

@@ -13,18 +13,14 @@ import torch
 
 from kvcache import cpu_kernels
 from kvcache.cpu_kernels import Gemv
-from tests.kvcache.native import NO_EXTENSION, require_kernels
+from tests.kvcache.native import require_native
 
 TOLERANCE = 1e-5  # error relative to sum_k |x_k w_k| (+ |b|), the scale of a dot product's rounding
 
 
 @pytest.fixture(scope="module")
 def gemv() -> Gemv:
-    require_kernels()
-    op = cpu_kernels.get_gemv()
-    if op is None:
-        pytest.skip(NO_EXTENSION)
-    return op
+    return require_native(cpu_kernels.get_gemv)
 
 
 def relative_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> float:

@@ -45,7 +45,7 @@ METRICS = ("ttft_p50_ms", "ttft_p95_ms", "goodput_fraction", "replica_seconds")
 
 
 def cli(python: str, args: list[str]) -> dict[str, Any]:
-    """``python -m cli.main ARGS``'s JSON (its stderr passes through)."""
+    """``python -m cli.main ARGS``'s JSON (its stderr passes through). Also scripts/pd_validate.py's."""
     out = subprocess.run([python, "-m", "cli.main", *args], check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(out.stdout)
 
@@ -63,8 +63,15 @@ def sim_figures(sim: dict[str, Any]) -> dict[str, float]:
             "replica_seconds": sim["replica_seconds"], "tpot_p95_ms": sim["tpot_p95_ms"]}
 
 
-def medians(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]}
+def compare(real: list[dict[str, float]], sim: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Both sides' medians per figure, the simulator's error against the real median, and the real runs' own
+    spread ((max - min) / median). Also scripts/pd_validate.py's."""
+    r = {k: round(statistics.median(x[k] for x in real), 4) for k in real[0]}
+    s = {k: round(statistics.median(x[k] for x in sim), 4) for k in real[0]}
+    return {"real": r, "sim": s,
+            "sim_rel_error": {k: round((s[k] - r[k]) / r[k], 3) if r[k] else None for k in r},
+            "real_spread": {k: round((max(x[k] for x in real) - min(x[k] for x in real)) / r[k], 3) if r[k] else None
+                            for k in r}}
 
 
 def main() -> int:
@@ -116,14 +123,10 @@ def main() -> int:
                 real.append(real_figures(run))
                 sim.append(sim_figures(simulated))
                 bar.update(1)
-            r, s = medians(real), medians(sim)
-            result["peaks"][f"{peak:g}"] = {
-                "real": r, "sim": s,
-                "sim_rel_error": {k: round((s[k] - r[k]) / r[k], 3) if r[k] else None for k in r},
-                "real_spread": {k: round((max(x[k] for x in real) - min(x[k] for x in real)) / r[k], 3)
-                                if r[k] else None for k in r},
-                "within_20pct": all(abs(s[k] - r[k]) <= 0.2 * abs(r[k]) for k in METRICS),
-            }
+            side = compare(real, sim)
+            errors = side["sim_rel_error"]
+            side["within_20pct"] = all(errors[k] is not None and abs(errors[k]) <= 0.2 for k in METRICS)
+            result["peaks"][f"{peak:g}"] = side
     print(json.dumps(result, indent=1))
     return 0
 

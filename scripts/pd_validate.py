@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from fleet_validate import cli, compare  # scripts/: this script's folder is on sys.path
 from tqdm.auto import tqdm
 
 # bench pd's defaults (cli/bench/pd/__init__.py): the apps' engine settings.
@@ -40,16 +39,6 @@ ENGINE = ["--max-num-seqs", "16", "--num-kv-pages", "1024", "--max-num-batched-t
 SHAPES = ["--steps", "64", "--prefill-tokens", "32,256,1024,2048", "--decode-batches", "1,2,4,5",
           "--decode-contexts", "64,160"]
 METRICS = ("tpot_p95_ms", "tpot_p50_ms", "ttft_p50_ms", "ttft_p95_ms")
-
-
-def cli(python: str, args: list[str]) -> dict[str, Any]:
-    """``python -m cli.main ARGS``'s JSON (its stderr passes through)."""
-    out = subprocess.run([python, "-m", "cli.main", *args], check=True, stdout=subprocess.PIPE, text=True)
-    return json.loads(out.stdout)
-
-
-def spread(rows: list[dict[str, float]], k: str, mid: float) -> float | None:
-    return round((max(r[k] for r in rows) - min(r[k] for r in rows)) / mid, 3) if mid else None
 
 
 def main() -> int:
@@ -103,12 +92,9 @@ def main() -> int:
             rows[mode]["sim"].append({**{k: sim[k] for k in METRICS if k in sim}, "tpot_p50_ms": sim["tpot_ms"]["p50"]})
     result: dict[str, Any] = {}
     for mode, sides in rows.items():
-        r = {k: round(statistics.median(x[k] for x in sides["real"]), 3) for k in METRICS}
-        s = {k: round(statistics.median(x[k] for x in sides["sim"]), 3) for k in METRICS}
-        result[mode] = {"real": r, "sim": s,
-                        "sim_rel_error": {k: round((s[k] - r[k]) / r[k], 3) if r[k] else None for k in METRICS},
-                        "real_spread": {k: spread(sides["real"], k, r[k]) for k in METRICS},
-                        "tpot_p95_within_20pct": abs(s["tpot_p95_ms"] - r["tpot_p95_ms"]) <= 0.2 * r["tpot_p95_ms"]}
+        result[mode] = compare(sides["real"], sides["sim"])
+        error = result[mode]["sim_rel_error"]["tpot_p95_ms"]
+        result[mode]["tpot_p95_within_20pct"] = error is not None and abs(error) <= 0.2
     print(json.dumps(result, indent=1))
     return 0
 

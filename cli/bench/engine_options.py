@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
+# What each replica and scheduler actor of a benchmark's local app reserves: its replicas share the machine's
+# cores (each forward has its own thread count), and several must fit a small local cluster.
+SHARED_ACTOR_CPUS = 0.1
+
 
 def engine_options(args: argparse.Namespace, optional: Iterable[str] = ()) -> dict[str, object]:
     """``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching`` (``--prefix-caching``), and each

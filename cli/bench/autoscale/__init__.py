@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from cli.bench.engine_options import SHARED_ACTOR_CPUS
+
 
 class AutoscaleBench:
     name = "autoscale"
@@ -69,8 +71,8 @@ class AutoscaleBench:
         e.add_argument("--num-kv-pages", type=int, default=None,
                        help="KV pages per replica (default: 256 autoscale; 160 routing: a third of "
                             "the prefixes and the running requests fit, not all of them)")
-        e.add_argument("--replica-num-cpus", type=float, default=0.1)
-        e.add_argument("--scheduler-num-cpus", type=float, default=0.1)
+        e.add_argument("--replica-num-cpus", type=float, default=SHARED_ACTOR_CPUS)
+        e.add_argument("--scheduler-num-cpus", type=float, default=SHARED_ACTOR_CPUS)
 
     def run(self, args: argparse.Namespace) -> int:
         from cli.bench.autoscale.run import main  # import cost (cli.bench.registry)

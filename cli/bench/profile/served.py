@@ -51,6 +51,7 @@ from ray import serve
 
 from actors.load.embedded import VOCAB_SIZE
 from cli.bench.decode_steps import random_prompts
+from cli.bench.engine_options import SHARED_ACTOR_CPUS
 from cli.bench.harness import deploy, local_ray
 from cli.bench.profile.run import Shape, check_settings, report, step_shapes
 from cli.bench.stream_client import RequestResult, stream_request
@@ -58,9 +59,6 @@ from cli.simulate.profile import Capacity
 from scheduling.errors import InvalidParameterError
 
 APP = "flotilla-profile"
-# Every replica and scheduler actor reserves a tenth of a CPU, as in ``bench autoscale``: the replicas share
-# the machine's cores, and several must fit a small local cluster.
-ACTOR_CPUS = 0.1
 # Output tokens of each request timing the host share: long enough that every replica's requests decode
 # together for most of their time (with 8, those sent at once to 4 replicas hardly overlapped: 5.4 ms per
 # step against 15 ms with 400).
@@ -189,7 +187,8 @@ def run_served(model: str, *, runs: int = 3, steps: int = SERVED_STEPS, seed: in
     if host_replicas and (min(host_replicas) < 1 or max(host_replicas) < 2):
         raise InvalidParameterError("host_replicas", f"needs counts >= 1, one of them above 1; got {host_replicas}")
     app = {"model": model, "served_model_name": "profiled", **options,
-           "replica_options": {"num_cpus": ACTOR_CPUS}, "scheduler_options": {"num_cpus": ACTOR_CPUS}}
+           "replica_options": {"num_cpus": SHARED_ACTOR_CPUS},
+           "scheduler_options": {"num_cpus": SHARED_ACTOR_CPUS}}
     host: dict[str, Any] | None = None
     with local_ray(num_cpus) as port:
         t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -14,6 +14,7 @@ from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype
 from kvcache.kv_offload_config import KVOffloadConfig
 from scheduling.errors import InvalidParameterError
+from scheduling.pooling import POOLING_MODES, Pooling, PoolingMode
 from scheduling.scheduler_config import SchedulerConfig
 from scheduling.spec_config import SpeculativeConfig
 
@@ -87,6 +88,11 @@ class EngineConfig:
     (``actors.models.moe``) instead of a slice of every expert (the
     default); attention stays tensor-parallel either way. Refused for a
     dense model when the model loads.
+    ``embedding_pooling`` (``POOLING_MODES``: ``last``, the usual choice for
+    decoder embedding models such as Qwen3-Embedding, or ``mean``) and
+    ``embedding_normalize`` (L2-normalised vectors): how this model's
+    embedding requests are pooled unless a request says otherwise
+    (``EngineConfig.pooling``, ``scheduling.pooling``).
     Errors name the parameter and, where two settings disagree, both values.
     """
 
@@ -120,6 +126,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     kv_offload: KVOffloadConfig | None = None
     expert_parallel: bool = False
+    embedding_pooling: str = "last"
+    embedding_normalize: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -172,6 +180,12 @@ class EngineConfig:
             )
         # Accepts the dict / JSON text forms (``LLM(speculative_config={...})``, the CLI).
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.embedding_pooling not in POOLING_MODES:
+            raise InvalidParameterError(
+                "embedding_pooling", f"must be one of {', '.join(POOLING_MODES)}, got {self.embedding_pooling!r}"
+            )
+        if not isinstance(self.embedding_normalize, bool):
+            raise InvalidParameterError("embedding_normalize", f"must be true or false, got {self.embedding_normalize!r}")
         self._check_lora()  # after the parse: it reads speculative_config
         self._check_kv_offload()  # likewise
         self.scheduler_config()  # validates the scheduling limits, naming both values
@@ -261,6 +275,11 @@ class EngineConfig:
                 "kv_offload", f"the draft model {spec.model!r} drafts from a KV pool of its own, which pages "
                 f"loaded from the KV tiers never fill: draft with method 'ngram' or a self-draft ('layers')",
             )  # fmt: skip
+
+    @property
+    def pooling(self) -> Pooling:
+        """This model's default pooling for embedding requests (``embedding_pooling``, ``embedding_normalize``)."""
+        return Pooling(cast(PoolingMode, self.embedding_pooling), self.embedding_normalize)  # validated when built
 
     def resolved_max_cpu_loras(self) -> int:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras

@@ -6,6 +6,7 @@
     llm = LLM(model="tiny")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
     print(outs[0].outputs[0].text)
+    vectors = llm.embed(["Hello", "Bonjour"])  # one pooled vector per prompt (``LLM.embed``)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from actors.engine.prompt_ids import chat_ids
 from actors.errors import ExecutorFailure
 from actors.runner.lora_manager import LoRAInfo
 from scheduling.errors import InvalidParameterError
+from scheduling.pooling import Pooling
 from scheduling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -87,11 +89,7 @@ class LLM:
         place of each params' own ``lora``; per-prompt adapters go in the
         ``SamplingParams`` list.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompt_list = list(prompts)
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -127,6 +125,31 @@ class LLM:
             raise
         return [results[rid] for rid in order]
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling: Pooling | None = None,
+        use_tqdm: bool = True,
+    ) -> list[list[float]]:
+        """One embedding per prompt (strings or token-id lists), in input order.
+
+        Each prompt runs through the engine's prefill as ``generate``'s do (batched, chunked, under
+        the token budget) and its final hidden states (after the model's final norm) are pooled
+        into one float vector; nothing is generated and no KV stays cached. ``pooling``: None is
+        the engine's (``EngineConfig.pooling``: ``embedding_pooling``, ``embedding_normalize``).
+        """
+        params = SamplingParams(pooling=self.config.pooling if pooling is None else pooling)
+        outs = self.generate(_prompt_list(prompts), params, use_tqdm=use_tqdm)
+        vectors: list[list[float]] = []
+        for out in outs:
+            seq = out.outputs[0]
+            if seq.embedding is None:  # only an error ends an embedding request here without its vector
+                raise RuntimeError(f"request {out.request_id} ended ({seq.finish_reason}) without an embedding: "
+                                   f"{seq.error}")
+            vectors.append(seq.embedding)
+        return vectors
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -153,3 +176,10 @@ class LLM:
         finally:
             bar.close()
         assert done == total, f"{total - done} requests did not finish"
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a token-id list) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

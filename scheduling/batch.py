@@ -56,6 +56,13 @@ class Batch:
         the runner proposes for sequence j's next step (the ``draft`` method);
         its pages already cover ``context_lens + num_propose`` tokens.
         Both are None when nothing drafts this step.
+      - Embedding requests (``scheduling.pooling``): ``pool_indices`` lists, in
+        increasing order, the sequences whose hidden rows of this step the
+        runner pools; ``pool_means[j]`` (aligned): True, the sum of every row
+        the step computes for it (mean pooling, one chunk at a time); False,
+        its last row only (last pooling: the step's chunk ends its prompt).
+        A pooled sequence is never in ``sample_indices``. Both are None when
+        no sequence of the step is pooled.
     """
 
     step: int
@@ -92,6 +99,8 @@ class Batch:
     # forward) writes the pool, and each one's block key (for the engine; the runner ignores them).
     kv_saves: list[int] | None = None
     kv_save_keys: list[bytes] | None = None
+    pool_indices: list[int] | None = None
+    pool_means: list[bool] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -140,3 +149,6 @@ class StepOutput:
     kv_exports: list[KVPayload] | list[RankPayloads] | None = None
     # The pages of ``Batch.kv_saves``: this rank's payload (runner) or every rank's (executor).
     kv_saves: KVPayload | RankPayloads | None = None
+    # Aligned with ``Batch.pool_indices`` (rank 0 only): a float32 host tensor (len(pool_indices), hidden),
+    # row j the sum of sequence j's hidden rows of the step, or its last row (``Batch.pool_means``).
+    pooled: torch.Tensor | None = None

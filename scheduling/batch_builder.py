@@ -34,9 +34,18 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
     # Per sampled sequence, only once one drafts or proposes (a step without speculation skips them).
     drafts: list[list[int]] | None = None
     propose: list[int] | None = None
+    # Embedding requests whose rows this step the runner pools (``Batch.pool_indices``), and how.
+    pool_indices: list[int] = []
+    pool_means: list[bool] = []
     for idx, (req, n, samples, draft, num_propose) in enumerate(scheduled):
         start = req.num_computed_tokens
         end = start + n
+        pooling = req.pooling
+        if pooling is not None:
+            assert not samples and not draft, f"{req.request_id}: an embedding request samples nothing"
+            if pooling.mode == "mean" or end == req.num_prompt_tokens:
+                pool_indices.append(idx)
+                pool_means.append(pooling.mode == "mean")
         if draft:  # a decode: its last sampled token, then the drafts
             input_ids.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
             input_ids.extend(draft)
@@ -73,4 +82,5 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
         sample_indices, params, num_out, prompts, outputs,
         drafts if drafts is not None and any(drafts) else None,
         propose if propose is not None and any(propose) else None,
+        pool_indices=pool_indices or None, pool_means=pool_means or None,
     )

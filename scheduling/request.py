@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvcache.kv_transfer import RankPayloads
     from kvcache.radix_cache import RadixNode
     from scheduling.kv_tiers import TierHit
+    from scheduling.pooling import Pooling
     from scheduling.spec_decode import DraftState
 
 
@@ -57,6 +58,7 @@ class Request:
         "prompt_token_ids",
         "params",
         "sampler_params",
+        "pooling",
         "namespace",
         "cache_namespace",
         "lora_slot",
@@ -97,6 +99,9 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.sampler_params = params.sampler_view()  # what a batch carries to the sampler
+        # An embedding request (``params.pooling``): it computes its prompt, never samples, never reads
+        # nor fills the prefix cache, and ends once its prompt is computed (``Scheduler.update``).
+        self.pooling: Pooling | None = params.pooling
         self.namespace = namespace
         # The prefix-cache tree this request reads and fills: its namespace, and its adapter (params.lora).
         self.cache_namespace = cache_namespace(namespace, params.lora)

@@ -4,7 +4,8 @@ Page ownership: a request holds one allocator reference on every page in its
 page table, matched prefix pages included, and a lock on the radix node it
 matched. When it ends (finish, abort or preemption) its fully computed pages
 go into the radix tree, which takes its own references, and the request drops
-all of its own.
+all of its own. An embedding request's pages (``Request.pooling``) never go
+into the tree: they are freed outright.
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ class RequestPages:
         req.num_computed_tokens = match.num_tokens
 
     def release(self, req: Request) -> None:
-        """Give back the request's pages (computed ones into the prefix cache) and its lock."""
+        """Give back the request's pages (computed ones into the prefix cache, save an embedding
+        request's) and its lock."""
         if req.pages:
-            if self.cache is not None and req.num_computed_tokens >= self.page_size:
+            if self.cache is not None and req.num_computed_tokens >= self.page_size and req.pooling is None:
                 tokens = req.all_token_ids[: req.num_computed_tokens]
                 cached = self.cache.insert(tokens, req.pages, req.cache_namespace)
                 first, end = cached // self.page_size, len(tokens) // self.page_size

@@ -7,11 +7,20 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from scheduling.errors import InvalidParameterError
+from scheduling.pooling import Pooling
 from scheduling.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+# The fields that only shape generated tokens, with their defaults: an embedding request (``pooling``
+# set) generates none, so one of these set elsewhere is a caller's mistake, refused by name.
+_GENERATION_ONLY: tuple[tuple[str, object], ...] = (
+    ("n", 1), ("logprobs", None), ("structured_output", None), ("temperature", 1.0), ("top_p", 1.0),
+    ("top_k", -1), ("min_p", 0.0), ("seed", None), ("stop", ()), ("stop_token_ids", ()), ("ignore_eos", False),
+    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("logit_bias", ()),
+)
 
 
 def _check_range(param: str, value: float, lo: float, hi: float) -> None:
@@ -45,6 +54,13 @@ class SamplingParams:
     complete, so ``ignore_eos`` cannot be combined with it.
     ``lora``: the name of a LoRA adapter loaded into the engine
     (``LLMEngine.add_lora``) that serves this request; None is the base model.
+    ``pooling``: set, the request is an embedding request (``scheduling.pooling``):
+    its prompt's final hidden states are pooled into one vector and nothing
+    is generated. ``max_tokens`` is then ignored (it neither limits nor
+    counts against the prompt), ``lora`` still applies, and every field that
+    only shapes generated tokens (``_GENERATION_ONLY``: ``n``, ``logprobs``,
+    ``structured_output``, the sampling and penalty knobs, stops, ``seed``,
+    ``logit_bias``) must stay at its default, else it is refused by name.
     """
 
     max_tokens: int = 16
@@ -64,6 +80,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     structured_output: StructuredOutput | None = None
     lora: str | None = None
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers, store tuples so the object stays hashable/immutable.
@@ -115,6 +132,21 @@ class SamplingParams:
                 raise InvalidParameterError(
                     "ignore_eos", f"cannot be combined with {self.structured_output.param}: a constrained "
                     "output ends at the end-of-sequence token once it is complete",
+                )
+        if self.pooling is not None:
+            self._check_embedding()
+
+    def _check_embedding(self) -> None:
+        """Refuse, by name, a generation-only field set on an embedding request."""
+        if not isinstance(self.pooling, Pooling):
+            raise InvalidParameterError("pooling", f"must be a Pooling or None, got {type(self.pooling).__name__}")
+        for name, default in _GENERATION_ONLY:
+            value = getattr(self, name)
+            if value != default:
+                param = self.structured_output.param if name == "structured_output" and self.structured_output else name
+                raise InvalidParameterError(
+                    param, f"applies to generated tokens, and an embedding request (pooling set) generates none; "
+                    f"got {value!r}",
                 )
 
     @property

@@ -24,6 +24,14 @@ once in the hit rate.
 Page ownership (``scheduling.request_pages``): a request holds a reference on
 every page of its page table and a lock on the radix node it matched; when it
 ends, its computed pages go into the radix tree.
+
+Embedding requests (``Request.pooling``, ``scheduling.pooling``) take the same
+path through the token budget, chunked prefill and preemption, but sample
+nothing: they never look up the prefix cache (pooling needs every prompt
+row computed), their pages are freed outright when they end (the tree never
+holds them: no later request gets a hit from an embedding), and they finish
+in the step that computes their prompt's last token. Their pooled rows come
+back per step (``SchedulerUpdate.pooled``); pooling them is the engine's.
 """
 
 from __future__ import annotations
@@ -62,10 +70,17 @@ class SchedulerUpdate:
     ``sampled`` holds (request, its new token ids (one, or more when drafts
     were kept), the row of the first in the step's ``StepOutput``, the text
     they make safe to emit: ``StopRule.on_token``'s).
+    ``pooled`` holds, per embedding request still running when the step
+    ended whose hidden rows the step pooled: (request, its row in
+    ``StepOutput.pooled``, the position of the chunk's first token). A first
+    position of 0 starts its pooling afresh: a preempted embedding request
+    recomputes its prompt from the start. One that ends this step is in
+    ``finished`` too (finish reason "stop").
     """
 
     sampled: list[tuple[Request, list[int], int, str]]
     finished: list[Request]
+    pooled: list[tuple[Request, int, int]]
 
 
 class Scheduler:
@@ -109,7 +124,8 @@ class Scheduler:
         sibling of ``n > 1``): this one waits until the sibling has computed
         the prompt, then starts from the sibling's full prompt pages.
         """
-        self.config.check_lengths(request.num_prompt_tokens, request.params.max_tokens)
+        # An embedding request generates nothing: max_tokens does not count against its prompt.
+        self.config.check_lengths(request.num_prompt_tokens, 0 if request.pooling is not None else request.params.max_tokens)
         if request.request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request.request_id!r} is already queued")
         self.requests[request.request_id] = request
@@ -192,7 +208,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                samples = req.num_computed_tokens + n == req.num_tokens
+                samples = req.num_computed_tokens + n == req.num_tokens and req.pooling is None
                 drafts = _NO_DRAFTS
                 if spec is not None and samples:
                     if n == 1:
@@ -267,7 +283,8 @@ class Scheduler:
                     i += 1
                     continue
             match: PrefixMatch | None = None
-            if cache is not None and req.num_computed_tokens == 0:
+            # An embedding request computes every prompt row (mean pooling reads them all): no lookup.
+            if cache is not None and req.num_computed_tokens == 0 and req.pooling is None:
                 match = cache.match_prefix(req.all_token_ids, req.cache_namespace)  # read-only
             # Pages the KV tiers brought, past the match (``scheduling.kv_tiers``): fresh pages filled from them.
             loaded, payload = (0, None) if match is None else tier_pages(req, match.num_tokens // cfg.page_size,
@@ -298,7 +315,7 @@ class Scheduler:
             if match is not None and req.num_preemptions == 0:
                 self._count_prefix_hit(req, match.num_tokens, req.num_computed_tokens)
             self._start_running(i)
-            samples = req.num_computed_tokens + n == req.num_tokens
+            samples = req.num_computed_tokens + n == req.num_tokens and req.pooling is None
             if spec is not None and samples:
                 speculating.append((len(scheduled), _NO_DRAFTS))
             scheduled.append(Scheduled(req, n, samples, _NO_DRAFTS, 0))
@@ -368,7 +385,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
     def update(self, batch: Batch, output: StepOutput) -> SchedulerUpdate:
-        """Apply one step's sampled tokens; end the requests their ``StopRule`` stops."""
+        """Apply one step's sampled tokens; end the requests their ``StopRule`` stops,
+        and the embedding requests whose prompt the step completed."""
         scheduled = self._in_flight.pop(batch.step)
         if batch.kv_imports:
             imports_written(scheduled)
@@ -377,6 +395,12 @@ class Scheduler:
         now = time.monotonic()
         sampled: list[tuple[Request, list[int], int, str]] = []
         finished: list[Request] = []
+        pooled: list[tuple[Request, int, int]] = []
+        if batch.pool_indices is not None:  # before the loop below advances their computed tokens
+            for j, idx in enumerate(batch.pool_indices):
+                req = scheduled[idx].request
+                if req.status is RequestStatus.RUNNING:  # not aborted while the step ran
+                    pooled.append((req, j, req.num_computed_tokens))
         num_accepted = output.num_accepted  # None: no drafts this step, one new token per sequence
         token_ids = output.token_ids
         seq = 0  # index among the step's sampled sequences
@@ -390,6 +414,12 @@ class Scheduler:
                 continue  # aborted while the step ran
             if not samples:
                 req.num_computed_tokens += n
+                if req.pooling is not None and req.num_computed_tokens == req.num_prompt_tokens:
+                    # No token, so no first-token time (TTFT figures stay the generations'); the last
+                    # token's time is when its vector is ready (end-to-end latency counts it).
+                    req.last_token_time = now
+                    req.finish_reason = "stop"
+                    finished.append(req)
                 continue
             if num_accepted is None:  # ``append_output`` of one token, inlined: the per-step hot path
                 token = token_ids[first]
@@ -425,7 +455,7 @@ class Scheduler:
             for req in finished:
                 self._end(req, req.finish_reason or "stop")
         self.stats.num_steps += 1
-        return SchedulerUpdate(sampled, finished)
+        return SchedulerUpdate(sampled, finished, pooled)
 
     def _fork(self, src: Request) -> None:
         """Hand ``src``'s full prompt pages to the siblings that waited for them."""

@@ -48,11 +48,16 @@ class SchedulerConfig:
             )
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse a request whose prompt, or prompt plus ``max_tokens``, does not fit ``max_model_len``."""
+        """Refuse a request whose prompt, or prompt plus ``max_tokens``, does not fit ``max_model_len``.
+
+        ``max_tokens`` 0: an embedding request, which generates nothing, so
+        its prompt may fill ``max_model_len``; a generating request needs room
+        for at least one new token.
+        """
         limit = self.max_model_len
         if num_prompt_tokens == 0:
             raise InvalidParameterError("prompt", "the prompt is empty")
-        if num_prompt_tokens >= limit:
+        if num_prompt_tokens + min(max_tokens, 1) > limit:
             raise InvalidParameterError("prompt", f"the prompt has {num_prompt_tokens} tokens; max_model_len is {limit}")
         if num_prompt_tokens + max_tokens > limit:
             raise InvalidParameterError(

@@ -83,6 +83,8 @@ class PrefillResult:
 
 def check_remote_prefill(params: SamplingParams) -> None:
     """Refuse what a remote prefill cannot carry (the decode replica then prefills locally)."""
+    if params.pooling is not None:
+        raise InvalidParameterError("pooling", "an embedding request has nothing to decode: it runs on one replica")
     if params.n != 1:
         raise InvalidParameterError("n", "a remotely prefilled request has one sequence")
     if params.structured_output is not None:

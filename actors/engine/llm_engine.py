@@ -2,7 +2,9 @@
 
 ``LLMEngine.step()`` runs one engine step and returns one delta per sequence
 that changed, so a caller (the offline API, the scheduler actor) publishes one
-message per step carrying every request's progress.
+message per step carrying every request's progress. An embedding request
+(``SamplingParams.pooling``) rides the same steps as its prompt's prefill and
+yields one delta carrying its vector (``actors.engine.embeddings``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from xgrammar import CompiledGrammar
 from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.disaggregation import collect_exports
+from actors.engine.embeddings import EmbeddingSums
 from actors.engine.executor import Executor, LocalExecutor
 from actors.engine.kv_offload import KVOffload
 from actors.engine.lora_registry import LoRARegistry
@@ -81,6 +84,8 @@ class LLMEngine:
         self.exported: dict[str, RankPayloads] = {}
         # Seconds spent on the step's critical path filling token masks and advancing matchers.
         self.grammar_seconds_total = 0.0
+        # Mean pooling's float32 running sums of embedding requests whose prompt is part computed.
+        self.embeddings = EmbeddingSums()
 
     # ----------------------------------------------------------------- intake
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -112,6 +117,8 @@ class LLMEngine:
 
         ``grammar``: ``params.structured_output`` already compiled (``GrammarCompiler.compile_async``);
         without it the constraint is compiled here, waiting at most the compile timeout.
+        With ``params.pooling`` it is an embedding request: one sequence, no prefix-cache or KV-tier
+        lookup (every prompt row is computed), one final delta carrying the vector.
         """
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
@@ -152,7 +159,8 @@ class LLMEngine:
                 self.grammar_states.remove(sid)
             raise
         self._groups[request_id] = children
-        if self.offload is not None:  # siblings of n > 1 start from the first one's pages
+        # Siblings of n > 1 start from the first one's pages; an embedding request reads no cached KV.
+        if self.offload is not None and params.pooling is None:
             self.offload.start_load(self.scheduler.requests[children[0]])
         if constraint is not None:
             self.constrained_requests[constraint.kind] += 1
@@ -217,6 +225,7 @@ class LLMEngine:
             seq = self._seqs.pop(sid, None)
             self.grammar_states.remove(sid)
             self.exported.pop(sid, None)
+            self.embeddings.drop(sid)
             if req is not None and seq is not None:
                 deltas.append(SequenceDelta(
                     request_id, seq.index, [], "", None, reason,
@@ -306,7 +315,7 @@ class LLMEngine:
             self.forward_seconds_total += time.perf_counter() - start
 
     def finish_step(self, batch: Batch, output: StepOutput) -> list[SequenceDelta]:
-        """Apply a step's sampled tokens (the scheduler detokenizes and stops them); emit deltas.
+        """Apply a step's sampled tokens (the scheduler detokenizes and stops them) and pooled rows; emit deltas.
 
         Requests aborted while the step ran are skipped (the scheduler drops them).
         """
@@ -320,7 +329,7 @@ class LLMEngine:
             if self.scheduler.is_in_flight(batch.step):  # failed before update took it: fail_* settles it
                 self._failed_batch = batch
             raise
-        deltas: list[SequenceDelta] = []
+        deltas: list[SequenceDelta] = self._pool(batch, output, update.pooled) if update.pooled else []
         refused: list[str] = []
         for req, tokens, row, text in update.sampled:
             seq = self._seqs[req.request_id]
@@ -340,10 +349,38 @@ class LLMEngine:
             ))
             if done:
                 self._forget(req)
+        assert all(r.pooling is None or r.request_id not in self._seqs for r in update.finished), (
+            "an embedding request ended without its pooled row"
+        )
         for rid in dict.fromkeys(refused):  # a masked token the grammar then refused: a bug, never quiet
             logger.error("request %s: a sampled token broke its output constraint; ending it", rid)
             deltas += self._end_group(rid, "error", "the output constraint refused a sampled token")
         self.loras.finish_unloads()
+        return deltas
+
+    def _pool(self, batch: Batch, output: StepOutput, pooled: list[tuple[Request, int, int]]) -> list[SequenceDelta]:
+        """Fold the step's pooled rows into their requests' sums; one final delta per embedding finished.
+
+        The scheduler ends an embedding request in the step that computes its
+        prompt's last token, which always pools it (``Batch.pool_indices``).
+        """
+        assert output.pooled is not None and batch.pool_indices is not None, f"step {batch.step}: no pooled rows"
+        deltas: list[SequenceDelta] = []
+        for req, j, first in pooled:
+            pooling = req.pooling
+            assert pooling is not None
+            row = output.pooled[j]
+            if pooling.mode == "mean":
+                self.embeddings.add(req.request_id, first, batch.query_lens[batch.pool_indices[j]], row)
+            if req.finish_reason is None:
+                continue
+            seq = self._seqs[req.request_id]
+            vector = self.embeddings.finish(req.request_id, pooling, req.num_prompt_tokens, row)
+            deltas.append(SequenceDelta(
+                seq.request_id, seq.index, [], "", None, req.finish_reason, req.num_prompt_tokens,
+                req.num_cached_tokens, None, _timing(req), embedding=vector,
+            ))
+            self._forget(req)
         return deltas
 
     def _accept(self, seq_id: str, tokens: list[int]) -> bool:

@@ -16,6 +16,13 @@ class SequenceDelta:
     "abort" or "error"; with "error", ``error`` says what went wrong.
     ``timing`` is set on the last delta only (one object per finished
     sequence keeps the per-step message small).
+    ``embedding``: an embedding request's (``SamplingParams.pooling``) pooled
+    vector. Such a request yields exactly one delta, in the step that
+    computes its prompt's last token: no tokens, no text, finish reason
+    "stop", its prompt length, the vector, and timing whose
+    ``first_token_time`` is None (no token: TTFT figures leave it out) and
+    whose ``last_token_time`` is when the vector was ready (``e2e_s``); or,
+    ended early, the usual "abort"/"error" delta without a vector.
     """
 
     request_id: str
@@ -28,6 +35,7 @@ class SequenceDelta:
     num_cached_tokens: int = 0
     error: str | None = None
     timing: SequenceTiming | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +83,12 @@ class SequenceTiming:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One generated sequence, accumulated."""
+    """One generated sequence, accumulated.
+
+    ``embedding``: for an embedding request (``SamplingParams.pooling``), its
+    pooled vector once finished (``text`` and ``token_ids`` stay empty); None
+    for a generating request, or one that ended without it (abort, error).
+    """
 
     index: int
     text: str = ""
@@ -83,6 +96,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -111,4 +125,6 @@ class RequestOutput:
         if delta.finish_reason is not None:
             out.finish_reason = delta.finish_reason
             out.error = delta.error
+        if delta.embedding is not None:
+            out.embedding = delta.embedding
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)

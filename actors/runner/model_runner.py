@@ -297,7 +297,13 @@ class ModelRunner:
         eagerly. Everything up to the read of the sampled rows and the exported pages
         is queued without waiting for the device; that read
         (``device_copy.to_host``) is the step's one wait (drafting, after it,
-        waits again: ``DraftRunner.propose``).
+        waits again: ``DraftRunner.propose``). The pooled rows of embedding
+        requests (``batch.pool_indices``) join that read, on rank 0 only:
+        after the last all-reduce every rank holds the whole hidden states.
+        A step whose only tokens are one per sequence is decode-only even when
+        one of them is an embedding request's last prompt token (a 1-token
+        prompt or chunk): its hidden row is then read from the static decode
+        buffers, which hold the same rows the eager path computes.
         """
         dev = self.device
         layout = StepLayout(batch.query_lens, batch.context_lens, batch.page_tables)
@@ -312,6 +318,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.attn)
         if self.drafter is not None:
             self.drafter.catch_up(input_ids, positions, layout)
+        pooled = _pool_rows(batch, hidden) if batch.pool_indices is not None and self.rank == 0 else None
         sampled: SampledRows | None = None
         if batch.sample_indices:
             if batch.is_decode_only and len(batch.sample_indices) == batch.num_seqs:
@@ -327,7 +334,11 @@ class ModelRunner:
         # Every rank exports its own share of the heads of each page.
         exports = [self.pool.gather_pages(pages) for _, pages in batch.kv_exports or []]
         reads = ([] if sampled is None else sampled.tensors()) + [t for g in exports for t in g] + (saves or [])
+        if pooled is not None:
+            reads.append(pooled)
         host = device_copy.to_host(reads) if reads else []
+        if pooled is not None:
+            pooled = host.pop()
         out = StepOutput([], [])
         if sampled is not None:
             num_sampled = len(sampled.tensors())
@@ -343,6 +354,8 @@ class ModelRunner:
             out = replace(out, kv_exports=payloads)
         if saves is not None:
             out = replace(out, kv_saves=self.pool.payload(host[: len(saves)]))
+        if pooled is not None:
+            out = replace(out, pooled=pooled)
         if batch.num_propose is None or not batch.sample_indices:
             return out
         return self._propose(batch, out)
@@ -378,6 +391,24 @@ class ModelRunner:
             tables.append(batch.page_tables[i])
         proposals = self.drafter.propose(last, positions, tables, batch.num_propose)
         return replace(out, draft_token_ids=proposals) if self.rank == 0 else out
+
+
+def _pool_rows(batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
+    """Per pooled sequence (``batch.pool_indices``), on the device: the float32 sum of its hidden rows of
+    this step (``pool_means``) or its last row (a chunk that ends its prompt), as one (k, hidden) tensor.
+
+    Summed in float32 whatever the model dtype (``sum(dtype=)`` casts as it reduces, with no float32 copy
+    of the chunk); one reduction per sequence keeps the result independent of what else shares the step.
+    """
+    assert batch.pool_indices is not None and batch.pool_means is not None
+    starts = [0]
+    for q in batch.query_lens:
+        starts.append(starts[-1] + q)
+    rows: list[torch.Tensor] = []
+    for i, mean in zip(batch.pool_indices, batch.pool_means, strict=True):
+        start, end = starts[i], starts[i + 1]
+        rows.append(hidden[start:end].sum(0, dtype=torch.float32) if mean else hidden[end - 1].float())
+    return torch.stack(rows)
 
 
 def _broadcast_lists(

@@ -24,6 +24,7 @@ from actors.load.embedded import build_tokenizer
 from actors.remote.ray_executor import PlacementError, RayExecutor
 from apps.llm import LLM
 from scheduling.errors import InvalidParameterError
+from scheduling.pooling import Pooling
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import (
     build_hf_model,
@@ -33,6 +34,7 @@ from tests.actors.checkpoints import (
     write_checkpoint,
 )
 from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
+from tests.actors.test_embeddings import TOL, hf_embedding, max_error
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -144,6 +146,25 @@ def test_tp2_with_speculation_matches_hf(
         assert stats.spec_num_drafts > 0
         if method == "draft_model":  # the target drafting for itself: every greedy draft is right
             assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        _assert_pool_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_embeddings_match_hf_beside_generation(ray_cluster: None, llama_case: tuple[Path, list[list[int]]]) -> None:
+    """Pooled rows come from rank 0 (the hidden states are whole on every rank after the all-reduce),
+    chunked (16-token budget) and in steps shared with generating sequences."""
+    folder, expected = llama_case
+    hf = build_hf_model(llama_config(), 0)
+    llm = LLM(str(folder), tensor_parallel_size=2, executor="ray", **{**ENGINE, "max_num_batched_tokens": 16})
+    try:
+        poolings = [Pooling("last"), Pooling("mean", normalize=False)]
+        params = [GREEDY] * len(PROMPTS) + [SamplingParams(pooling=p) for p in poolings]
+        outs = llm.generate([*PROMPTS, PROMPTS[1], PROMPTS[1]], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[: len(PROMPTS)]] == expected
+        for out, pooling in zip(outs[len(PROMPTS):], poolings, strict=True):
+            got = out.outputs[0].embedding
+            assert got is not None and max_error(got, hf_embedding(hf, PROMPTS[1], pooling)) < TOL
         _assert_pool_clean(llm)
     finally:
         llm.shutdown()

@@ -7,6 +7,9 @@ Importable with only aiohttp installed: no torch, no Ray, no pydantic.
         print(client.complete("Hello", max_tokens=8).text)
         weather = client.parse("Weather in Oslo?", response_format=Weather).parsed   # a pydantic model
         calls = client.chat("Weather in Oslo?", tools=[WEATHER_TOOL]).tool_calls     # ToolCall list
+        first = client.responses("Hi", instructions="Be brief.")                     # /v1/responses
+        print(client.responses("And?", previous_response_id=first.id).text)
+        vectors = client.embed(["a", "b"]).vectors                                   # /v1/embeddings
 
 See docs/sdk.md.
 """
@@ -36,6 +39,11 @@ from flotilla.params import (
     JsonSchemaSpec,
     NamedToolChoice,
     ResponseFormat,
+    ResponsesFormat,
+    ResponsesNamedToolChoice,
+    ResponsesText,
+    ResponsesTool,
+    ResponsesToolChoice,
     StructuredOutputs,
     Tool,
     ToolChoice,
@@ -50,8 +58,10 @@ from flotilla.types import (
     BatchResult,
     Choice,
     Completion,
+    Embeddings,
     Health,
     Model,
+    Response,
     StreamDelta,
     Tokens,
     Usage,
@@ -72,6 +82,7 @@ __all__ = [
     "ClientConfig",
     "Completion",
     "ConfigError",
+    "Embeddings",
     "FlotillaError",
     "FunctionSpec",
     "Health",
@@ -85,7 +96,13 @@ __all__ = [
     "ParsedCompletion",
     "PayloadTooLargeError",
     "RateLimitError",
+    "Response",
     "ResponseFormat",
+    "ResponsesFormat",
+    "ResponsesNamedToolChoice",
+    "ResponsesText",
+    "ResponsesTool",
+    "ResponsesToolChoice",
     "Sample",
     "SchemaModel",
     "ServerError",

@@ -15,14 +15,22 @@ from flotilla import defaults
 from flotilla.batch import run_batch
 from flotilla.config import ClientConfig, ClientOptions
 from flotilla.errors import ConfigError
-from flotilla.params import ResponseFormat, StructuredOutputs, Tool, ToolChoice
+from flotilla.params import (
+    ResponseFormat,
+    ResponsesText,
+    ResponsesTool,
+    ResponsesToolChoice,
+    StructuredOutputs,
+    Tool,
+    ToolChoice,
+)
 from flotilla.progress import ProgressBar
 from flotilla.prometheus import Sample, parse_prometheus
 from flotilla.schema import M, OutputSchema, SchemaSpec
 from flotilla.streaming import AsyncStream
 from flotilla.structured import ParsedCompletion
 from flotilla.transport import InvalidResponseError, Transport
-from flotilla.types import BatchResult, Completion, Health, Model, Tokens
+from flotilla.types import BatchResult, Completion, Embeddings, Health, Model, Response, Tokens
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -177,6 +185,39 @@ class AsyncClient:
 
         bar = ProgressBar(len(prompts), enabled=progress)
         return await run_batch(prompts, one, concurrency=concurrency, progress=bar)
+
+    async def responses(self, input: str | Sequence[Message], *, model: str | None = None,
+                        instructions: str | None = None, previous_response_id: str | None = None,
+                        tools: Sequence[ResponsesTool] | None = None,
+                        tool_choice: ResponsesToolChoice | None = None, text: ResponsesText | None = None,
+                        session_id: str | None = None, timeout: float | None = None,
+                        **params: Any) -> Response:
+        """``POST /v1/responses``: ``input`` a str (one user turn) or a list of input items.
+
+        Continue a conversation with ``previous_response_id=earlier.id`` (the
+        request is routed to the replica that stored it); answer a function
+        call with ``{"type": "function_call_output", "call_id": call.id,
+        "output": ...}`` in ``input``. ``tools`` are flat function tools,
+        ``text={"format": {"type": "json_schema", "name", "schema"}}`` asks
+        for JSON. Other keywords (``max_output_tokens``, ``temperature``,
+        ``top_p``, ``store``, ``metadata``, ...) go into the body.
+        """
+        fields = _fields(instructions=instructions, previous_response_id=previous_response_id, tools=tools,
+                         tool_choice=tool_choice, text=text)
+        item_list = input if isinstance(input, str) else [dict(m) for m in input]
+        body = await self._body(model, {**params, **fields}, input=item_list)
+        reply = await self._transport.request("POST", "/v1/responses", body, session_id=session_id,
+                                              timeout=timeout)
+        return Response.from_json(reply.json())
+
+    async def embed(self, input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *,
+                    model: str | None = None, timeout: float | None = None) -> Embeddings:
+        """``POST /v1/embeddings``: one vector per input (a str, a list of str, token ids or lists of them)."""
+        items: str | list[Any] = input if isinstance(input, str) else [
+            x if isinstance(x, (str, int)) else list(x) for x in input]
+        body = await self._body(model, {"encoding_format": "float"}, input=items)
+        reply = await self._transport.request("POST", "/v1/embeddings", body, timeout=timeout)
+        return Embeddings.from_json(reply.json())
 
     # ----------------------------------------------------------- information
     async def models(self) -> list[Model]:

@@ -19,7 +19,16 @@ from flotilla.prometheus import Sample
 from flotilla.schema import M, SchemaSpec
 from flotilla.streaming import AsyncStream, StreamView
 from flotilla.structured import ParsedCompletion
-from flotilla.types import BatchResult, Completion, Health, Model, StreamDelta, Tokens
+from flotilla.types import (
+    BatchResult,
+    Completion,
+    Embeddings,
+    Health,
+    Model,
+    Response,
+    StreamDelta,
+    Tokens,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -129,6 +138,15 @@ class Client:
     def batch(self, prompts: Sequence[Prompt | Sequence[Message]], **params: Any) -> list[BatchResult]:
         """See ``AsyncClient.batch`` (``concurrency``, ``progress`` and request params)."""
         return self._loop.run(self._async.batch(prompts, **params))
+
+    def responses(self, input: str | Sequence[Message], **params: Any) -> Response:
+        """See ``AsyncClient.responses`` (``previous_response_id`` continues a conversation)."""
+        return self._loop.run(self._async.responses(input, **params))
+
+    def embed(self, input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+              **params: Any) -> Embeddings:
+        """See ``AsyncClient.embed``."""
+        return self._loop.run(self._async.embed(input, **params))
 
     def models(self) -> list[Model]:
         return self._loop.run(self._async.models())

@@ -11,6 +11,7 @@ BASE_URL = "http://127.0.0.1:8000"
 ENV_BASE_URL = "FLOTILLA_BASE_URL"
 ENV_API_KEY = "FLOTILLA_API_KEY"
 SESSION_HEADER = "X-Flotilla-Session"  # the prefix-aware router keeps a session on one replica
+PREVIOUS_RESPONSE_HEADER = "X-Flotilla-Previous-Response"  # routes a continuation to the replica holding it
 MODEL_HEADER = "X-Flotilla-Model"  # the request's model: the router prefers replicas with that LoRA adapter loaded
 
 # Timeouts (seconds). ``TIMEOUT_S`` bounds a whole call, streams included.

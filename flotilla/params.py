@@ -9,6 +9,9 @@ and mypy something to check; the server validates the values.
 - ``tools`` (chat): OpenAI function tools; ``tool_choice`` picks ``"auto"``
   (the model decides), ``"required"`` (at least one call), ``"none"`` or one
   named function.
+- ``/v1/responses`` takes the same in its own shapes: flat function
+  ``tools`` (``ResponsesTool``), ``tool_choice`` naming a function by
+  ``name``, and ``text={"format": {...}}`` (``ResponsesText``).
 - ``structured_outputs`` (chat and completions): vLLM's extension, exactly
   one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF) or
   ``json_object``.
@@ -84,3 +87,46 @@ class StructuredOutputs(TypedDict, total=False):
     choice: list[str]
     grammar: str
     json_object: bool
+
+
+# ---------------------------------------------------------------- /v1/responses
+class _ResponsesToolBase(TypedDict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTool(_ResponsesToolBase, total=False):
+    """One entry of ``tools`` on ``/v1/responses``: a function tool, flat (``name`` beside ``type``)."""
+
+    description: str
+    parameters: JsonSchema
+    strict: bool
+
+
+class ResponsesNamedToolChoice(TypedDict):
+    """``tool_choice`` on ``/v1/responses`` that forces one function: ``{"type": "function", "name": ...}``."""
+
+    type: Literal["function"]
+    name: str
+
+
+ResponsesToolChoice = Literal["auto", "required", "none"] | ResponsesNamedToolChoice
+
+
+class _ResponsesFormatBase(TypedDict):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ResponsesFormat(_ResponsesFormatBase, total=False):
+    """``text.format`` on ``/v1/responses``: with type ``"json_schema"``, ``name`` and ``schema`` beside it."""
+
+    name: str
+    schema: JsonSchema
+    strict: bool
+    description: str
+
+
+class ResponsesText(TypedDict, total=False):
+    """``text`` on ``/v1/responses``."""
+
+    format: ResponsesFormat

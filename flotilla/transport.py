@@ -111,6 +111,9 @@ class Transport:
             model = body.get("model") if isinstance(body, dict) else None
             if isinstance(model, str) and model:  # the router cannot read the body (cluster.request_router)
                 headers[defaults.MODEL_HEADER] = model
+            previous = body.get("previous_response_id") if isinstance(body, dict) else None
+            if isinstance(previous, str) and previous:  # only the replica that stored it can continue it
+                headers[defaults.PREVIOUS_RESPONSE_HEADER] = previous
         with translate_errors(what):
             resp = await self._http().request(method, self.config.base_url + path, data=data,
                                               headers=headers, timeout=self._timeout(timeout))

@@ -200,3 +200,60 @@ class BatchResult:
             raise self.error
         assert self.completion is not None  # a result holds exactly one of the two
         return self.completion
+
+
+@dataclass(frozen=True)
+class Response:
+    """A ``/v1/responses`` answer: its id (for ``previous_response_id``), status, text and function calls.
+
+    ``status`` is "completed", or "incomplete" when ``max_output_tokens`` cut
+    it; ``usage`` counts input tokens as ``prompt_tokens`` and output tokens as
+    ``completion_tokens``; ``raw`` is the whole object as the server sent it.
+    """
+
+    id: str
+    model: str
+    status: str
+    text: str
+    tool_calls: list[ToolCall]
+    usage: Usage | None
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, obj: Json) -> Response:
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        for item in obj.get("output") or []:
+            if not isinstance(item, Mapping):
+                continue
+            if item.get("type") == "message":
+                texts += [str(part.get("text") or "") for part in item.get("content") or []
+                          if isinstance(part, Mapping) and part.get("type") == "output_text"]
+            elif item.get("type") == "function_call":
+                calls.append(ToolCall(str(item.get("call_id") or ""), str(item.get("name") or ""),
+                                      str(item.get("arguments") or "")))
+        usage = obj.get("usage")
+        counts = None
+        if isinstance(usage, Mapping):
+            details = usage.get("input_tokens_details")
+            counts = Usage(_int(usage, "input_tokens"), _int(usage, "output_tokens"), _int(usage, "total_tokens"),
+                           _int(details, "cached_tokens") if isinstance(details, Mapping) else 0)
+        return cls(str(obj.get("id", "")), str(obj.get("model", "")), str(obj.get("status", "")), "".join(texts),
+                   calls, counts, dict(obj))
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """``/v1/embeddings``: one vector per input, in input order, and the input tokens they cost."""
+
+    vectors: list[list[float]]
+    model: str
+    prompt_tokens: int
+
+    @classmethod
+    def from_json(cls, obj: Json) -> Embeddings:
+        items = sorted((d for d in obj.get("data") or [] if isinstance(d, Mapping)), key=lambda d: _int(d, "index"))
+        vectors = [[float(x) for x in d.get("embedding") or []] for d in items]
+        usage = obj.get("usage")
+        return cls(vectors, str(obj.get("model", "")), _int(usage, "prompt_tokens") if isinstance(usage, Mapping)
+                   else 0)

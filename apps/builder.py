@@ -31,6 +31,8 @@
   to finish its in-flight requests (it takes no new ones meanwhile; default 120);
 - ``replica_options``: Ray actor options of each ``LLMServer`` replica (e.g.
   ``{"num_cpus": 0.1}``); ``max_ongoing_requests``;
+- ``max_stored_responses``: finished ``/v1/responses`` kept per replica for
+  ``previous_response_id`` (default 1024; docs/responses.md);
 - ``lora_modules``: LoRA adapters served by name, ``{name: folder}`` (PEFT
   format; implies ``enable_lora``; ``apps.lora_serving``, docs/lora.md).
 
@@ -55,7 +57,7 @@ from scheduling.errors import InvalidParameterError
 
 # Passed to ``LLMServer``'s constructor.
 APP_OPTIONS = ("num_replicas", "served_model_name", "scheduler_options", "max_body_bytes",
-               "api_keys", "max_queued_requests", "scheduler_placement", "lora_modules")
+               "api_keys", "max_queued_requests", "scheduler_placement", "lora_modules", "max_stored_responses")
 # Deployment options (they shape the Serve deployment, not the replica object).
 DEPLOYMENT_OPTIONS = ("autoscaling", "request_router", "graceful_shutdown_timeout_s",
                       "replica_options", "max_ongoing_requests")

@@ -116,8 +116,10 @@ class RemotePrefill:
         self._record = record or (lambda name, value: None)
 
     async def wants(self, prompt_ids: list[int], params: SamplingParams) -> bool:
-        """Whether this request's prompt should be computed on the prefill pool."""
-        if params.n != 1 or params.structured_output is not None or len(prompt_ids) < self.min_tokens:
+        """Whether this request's prompt should be computed on the prefill pool (never an embedding's: it has
+        nothing to decode, so moving its prompt's KV would only add a transfer)."""
+        if (params.n != 1 or params.structured_output is not None or params.pooling is not None
+                or len(prompt_ids) < self.min_tokens):
             return False
         cached = await self.scheduler.cached_prefix_tokens(prompt_ids)
         return len(prompt_ids) - cached >= self.min_tokens

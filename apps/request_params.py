@@ -120,17 +120,22 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     ``[[1, 2], [3]]`` are a batch (one engine request per prompt, as OpenAI
     and vLLM serve them). An empty prompt or batch is refused.
     """
-    prompt = req.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        batch: list[str | list[int]] = [prompt]
+    return prompt_batch(req.prompt, "prompt")
+
+
+def prompt_batch(raw: str | list[int] | list[str] | list[list[int]], param: str) -> list[str | list[int]]:
+    """A prompt field (``prompt``, embeddings' ``input``) as its list of prompts (see ``completion_prompts``);
+    an empty list or prompt is an ``InvalidParameterError`` naming ``param``."""
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        batch: list[str | list[int]] = [raw]  # a string, or one prompt of token ids
     else:
-        batch = list(prompt)  # type: ignore[arg-type]  # list[str] or list[list[int]] here
+        batch = list(raw)  # type: ignore[arg-type]  # list[str] or list[list[int]] here
     if not batch:
-        raise InvalidParameterError("prompt", "the prompt is empty")
+        raise InvalidParameterError(param, f"the {param} is empty")
     for i, one in enumerate(batch):
         if len(one) == 0:
-            where = f" (prompt {i} of the batch)" if len(batch) > 1 else ""
-            raise InvalidParameterError("prompt", f"the prompt is empty{where}")
+            where = f" ({param} {i} of the batch)" if len(batch) > 1 else ""
+            raise InvalidParameterError(param, f"the {param} is empty{where}")
     return batch
 
 

@@ -27,8 +27,15 @@ LoRA (``enable_lora``, ``lora_modules``): the ``model`` field names the base
 model or an adapter of the application's catalog, which this replica loads
 on first use (``apps.lora_serving``).
 
+Responses API (``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``):
+a translation over the chat path (``apps.responses_service``). Embeddings
+(``POST /v1/embeddings``): engine requests that pool their prompt's hidden
+states (``apps.embeddings``). Admission, submission and aborts of every
+endpoint are ``apps.replica_requests``'s.
+
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
-SSE), ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
+SSE), ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``,
+``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
 ``POST /detokenize``, ``POST /v1/load_lora_adapter``,
 ``POST /v1/unload_lora_adapter``.
 
@@ -41,11 +48,9 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
@@ -56,33 +61,39 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.config import EngineConfig
 from actors.load.loader import load_tokenizer, resolve_model_path
 from actors.remote.scheduler_handle import ActorScheduler, SchedulerHandle
+from apps import embeddings as em
 from apps import protocol as p
 from apps import request_params as rq
 from apps.auth import ApiKeyAuth
-from apps.detached import detached
 from apps.disaggregation import (
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
     RemotePrefill,
 )
 from apps.errors import APIError
+from apps.http_responses import error_json, sse, whole
 from apps.local_scheduler import LocalScheduler
 from apps.lora_serving import ActorCatalog, ReplicaLoRAs
 from apps.prompt_encoder import PromptEncoder
+from apps.replica_requests import ReplicaRequests
 from apps.replica_stats import HEALTH_TIMEOUT_S, ReplicaStats
 from apps.request_body import read_body
 from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
-from apps.responses import RETRY_AFTER_S, error_json, sse, whole
+from apps.responses_output import DEFAULT_MAX_STORED_RESPONSES, ResponseAssembler
+from apps.responses_service import ResponsesCall, ResponsesService, rename_error
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
-from apps.stream_fanout import EventStreamResponse, RequestStream, StreamFanout
+from apps.stream_fanout import EventStreamResponse, StreamFanout
 from apps.token_text import TokenText
 from apps.tool_choice import tool_plan
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
+from cluster.response_ids import response_id
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
 app = FastAPI(title="flotilla", docs_url=None, redoc_url=None)
+# A generation request as submitted: ``(request, model, prompts' token ids, their params)``.
+Generation = tuple[p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]
 DEFAULT_MAX_QUEUED_REQUESTS = 256  # per replica, beyond max_num_seqs; more get 429 + Retry-After
 
 
@@ -126,7 +137,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10.0)
 @serve.ingress(app)
-class LLMServer(ReplicaStats):
+class LLMServer(ReplicaStats, ReplicaRequests):
     """One replica: its own SchedulerActor, tokenizer and output fan-out.
 
     ``engine`` holds ``EngineConfig`` fields; ``served_model_name`` is the name
@@ -142,7 +153,8 @@ class LLMServer(ReplicaStats):
                  scheduler_placement: str = DEFAULT_PLACEMENT, prefill: DeploymentHandle | None = None,
                  remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
                  remote_prefill_timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
-                 lora_modules: dict[str, str] | None = None) -> None:
+                 lora_modules: dict[str, str] | None = None,
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
         self.config = EngineConfig.from_kwargs(**engine)
         if lora_modules and not self.config.enable_lora:
             raise InvalidParameterError("lora_modules", "adapters need enable_lora=True")
@@ -178,6 +190,9 @@ class LLMServer(ReplicaStats):
         if catalog is not None:
             catalog.register_now(lora_modules or {})
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
+        # Responses kept for previous_response_id; their ids carry the tag the router routes them back on.
+        self._responses = ResponsesService(serve.get_replica_context().replica_id.unique_id,
+                                           max_stored=max_stored_responses)
 
     async def check_health(self) -> None:
         """Serve's replica check: raising makes Serve replace this replica.
@@ -211,6 +226,86 @@ class LLMServer(ReplicaStats):
     async def chat_completions(self, request: Request) -> Response:
         """OpenAI chat completions, JSON or SSE."""
         return await self._generate(request, RequestKind.CHAT)
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        """The Responses API over the chat path (``apps.responses_service``): JSON or typed SSE events."""
+        calls: list[ResponsesCall] = []
+
+        async def parse(body: bytes) -> Generation:
+            call = self._responses.parse(body, self.max_body_bytes)
+            calls.append(call)
+            return await self._generation(call.chat, [await self._chat_ids(call.chat)])
+
+        try:
+            _, model, prompts, params = await self._inputs(request, parse)
+        except Exception as exc:
+            return error_json(rename_error(exc))
+        call = calls[0]
+        started = await self._start("resp", prompts, params, errors=rename_error)
+        if isinstance(started, Response):
+            return started
+        stream, release = started
+        created = int(time.time())
+        out = ResponseBuilder(RequestKind.CHAT, model, created, False, self._token_text.text,
+                              self._token_text.bytes_of, 1, tool_plan(call.chat).scanner())
+        asm = ResponseAssembler(self._responses.skeleton(call, response_id(self._responses.tag), model, created))
+        if call.request.stream:
+            return EventStreamResponse(self._responses.sse(call, stream, out, asm, release), release)
+        return await self._responses.whole(call, stream, out, asm, release)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        """A stored response (404 naming the id when this replica does not hold it)."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+            return JSONResponse(self._responses.lookup(response_id).response)
+        except Exception as exc:
+            return error_json(exc)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        """Forget a stored response (404 naming the id when this replica does not hold it)."""
+        try:
+            self.auth.check(request.headers.get("authorization"))
+            self._responses.lookup(response_id)
+            self._responses.store.delete(response_id)
+        except Exception as exc:
+            return error_json(exc)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI embeddings: each input pooled by the engine (``apps.embeddings``), float or base64."""
+        try:
+            req, model, ids, params = await self._inputs(request, self._parse_embeddings)
+        except Exception as exc:
+            return error_json(exc)
+        started = await self._start("embd", ids, params)
+        if isinstance(started, Response):
+            return started
+        stream, release = started
+        try:
+            vectors = await em.collect(stream)
+            return JSONResponse(em.embedding_response(req, model, vectors, stream.num_prompt_tokens))
+        except Exception as exc:
+            return error_json(exc)
+        finally:
+            release()
+
+    async def _parse_embeddings(self, body: bytes) -> tuple[em.EmbeddingRequest, str, list[list[int]],
+                                                            list[SamplingParams]]:
+        req = rq.parse_request(body, em.EmbeddingRequest, max_body_bytes=self.max_body_bytes)
+        inputs = em.embedding_inputs(req)
+        self._check_size(len(inputs), "input", "inputs")
+        ids = [await self._encoder.encode(one) for one in inputs]
+        for one in ids:
+            em.check_ids(one, len(self.tokenizer))
+        lora = await self.loras.resolve(req.model)
+        params = [replace(em.embedding_params(self.config.pooling, len(one), self.config.max_model_len), lora=lora)
+                  for one in ids]  # fmt: skip
+        self._check_batch(len(ids))
+        return req, req.model or self.model_name, ids, params
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -309,125 +404,47 @@ class LLMServer(ReplicaStats):
         return JSONResponse({"prompt": text})
 
     # ------------------------------------------------------------- generation
-    async def _inputs(self, request: Request, kind: RequestKind) -> tuple[
-            p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]:
-        """Parse and check a generation request: ``(request, model, prompts' token ids, their params)``."""
-        self.auth.check(request.headers.get("authorization"))
-        if self._fanout.num_open + self._admitting >= self.capacity:
-            raise APIError(429, f"this replica is at capacity ({self.capacity} requests in flight); "
-                                f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
-        self._admitting += 1  # no await since the check: released by _generate once the streams open
-        try:
-            return await self._admitted_inputs(request, kind)
-        except BaseException:
-            self._admitting -= 1
-            raise
-
-    async def _admitted_inputs(self, request: Request, kind: RequestKind) -> tuple[
-            p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]:
-        """``_inputs`` past the capacity check, holding one admitted slot."""
-        body = await read_body(request, self.max_body_bytes)
+    async def _parse_generation(self, kind: RequestKind, body: bytes) -> Generation:
+        """A completions or chat body: ``(request, model, prompts' token ids, their params)``."""
         req: p.CompletionRequest | p.ChatCompletionRequest
         if kind is RequestKind.COMPLETION:
             req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
             prompts = rq.completion_prompts(req)
-            if len(prompts) > self.capacity:  # a 429 would never clear: no retry can fit it
-                raise InvalidParameterError("prompt", f"a batch of {len(prompts)} prompts is more than this "
-                                                      f"replica holds at once ({self.capacity})")
+            self._check_size(len(prompts), "prompt", "prompts")
             ids = [await self._encoder.encode(one) for one in prompts]
         else:
             req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
-            turns, tools = rq.chat_prompt(req, template_tools=self._encoder.supports_tools)
-            ids = [await self._encoder.encode_chat(turns, tools)]
+            ids = [await self._chat_ids(req)]
+        return await self._generation(req, ids)
+
+    async def _chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
+        """The token ids of a chat request's conversation (and tools), through the chat template."""
+        turns, tools = rq.chat_prompt(req, template_tools=self._encoder.supports_tools)
+        return await self._encoder.encode_chat(turns, tools)
+
+    async def _generation(self, req: p.CompletionRequest | p.ChatCompletionRequest,
+                          ids: list[list[int]]) -> Generation:
+        """The model and each prompt's params of a parsed request (its adapter resolved)."""
         lora = await self.loras.resolve(req.model)  # 404 for a name that is neither the base nor an adapter
         model = req.model or self.model_name
         params = [replace(rq.to_sampling_params(req, max_model_len=self.config.max_model_len,
                                                 num_prompt_tokens=len(one)), lora=lora)
                   for one in ids]  # fmt: skip
-        if len(ids) > 1 and self._fanout.num_open + self._admitting - 1 + len(ids) > self.capacity:
-            raise APIError(429, f"this replica cannot take a batch of {len(ids)} prompts now; "
-                                f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded")
+        self._check_batch(len(ids))
         return req, model, ids, params
 
     async def _generate(self, request: Request, kind: RequestKind) -> Response:
         try:
-            req, model, prompts, params = await self._inputs(request, kind)
+            req, model, prompts, params = await self._inputs(request, functools.partial(self._parse_generation, kind))
         except Exception as exc:
             return error_json(exc)
-        rid = f"{kind.shape.id_prefix}-{uuid.uuid4().hex}"
-        engine_ids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
-        queue = self._fanout.open(engine_ids[0])
-        for eid in engine_ids[1:]:
-            self._fanout.open(eid, queue)
-        self._admitting -= 1  # the open streams hold the slots now
-        submitted = [self._submit(eid, ids, ps) for eid, ids, ps in zip(engine_ids, prompts, params, strict=True)]
-        try:
-            # Shielded: a cancel of this handler must not cancel a submit, whose end the abort below awaits.
-            num_prompt = sum(await asyncio.gather(*(asyncio.shield(sub) for sub in submitted)))
-        except BaseException as exc:
-            for eid in engine_ids:
-                self._fanout.close(eid)
-            # Cancelled mid-submit, or one prompt of a batch refused: abort each once its submit landed.
-            for sub, eid in zip(submitted, engine_ids, strict=True):
-                self._background(self._abort_after(sub, eid))
-            if not isinstance(exc, Exception):
-                raise
-            if isinstance(exc, ray.exceptions.RayActorError):  # the scheduler died: Serve replaces us soon
-                exc = APIError(503, "this replica's engine is down and is being replaced; retry the request",
-                               code="engine_unavailable")
-            return error_json(exc)
-        stream = RequestStream(rid, queue, n=params[0].n, num_prompt_tokens=num_prompt, request_ids=engine_ids)
-        # The task that runs this handler also sends the response, so its end is the request's end
-        # on every path, including a cancel that lands after we return but before the first byte.
-        release = functools.partial(self._release, stream)
-        task = asyncio.current_task()
-        if task is not None:
-            task.add_done_callback(lambda _: release())
+        started = await self._start(kind.shape.id_prefix, prompts, params)
+        if isinstance(started, Response):
+            return started
+        stream, release = started
         scanner = tool_plan(req).scanner() if isinstance(req, p.ChatCompletionRequest) else None
         out = ResponseBuilder(kind, model, int(time.time()), params[0].logprobs is not None,
                               self._token_text.text, self._token_text.bytes_of, stream.n, scanner)
         if req.stream:
             return EventStreamResponse(sse(stream, out, req.include_usage, release), release)
         return await whole(stream, out, release)
-
-    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Future[int]:
-        """The future of queueing one prompt, here or maybe through the prefill pool (P/D); it runs to its end
-        even when the handler is cancelled (the caller awaits it shielded), so an abort can follow it."""
-        consumer = self._fanout.consumer_id
-        if self._remote is None:
-            return asyncio.ensure_future(self._scheduler.submit(request_id, prompt_ids, params, consumer_id=consumer))
-        return asyncio.ensure_future(self._submit_routed(request_id, prompt_ids, params, consumer))
-
-    async def _submit_routed(self, request_id: str, prompt_ids: list[int], params: SamplingParams, consumer: str) -> int:
-        assert self._remote is not None
-        if await self._remote.wants(prompt_ids, params):
-            return await self._remote.submit(request_id, prompt_ids, params, consumer)
-        return await self._scheduler.submit(request_id, prompt_ids, params, consumer_id=consumer)
-
-    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` detached from the (cancelled) handler, holding a reference until it ends."""
-        task = detached(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _abort_after(self, submitted: asyncio.Future[int], request_id: str) -> None:
-        """Abort ``request_id`` after its submit call finished: an abort that overtook it would miss.
-
-        However the submit ended (a result, an error, even a cancel: ``CancelledError`` is no
-        ``Exception``), the request may be queued by now, so the abort always follows.
-        """
-        await asyncio.wait([submitted])  # returns when it is done; raises nothing of its outcome
-        await self._abort(request_id)
-
-    async def _abort(self, request_id: str) -> None:
-        with contextlib.suppress(Exception):  # the actor is gone: nothing left to free
-            await self._scheduler.abort(request_id)
-
-    def _release(self, stream: RequestStream) -> None:
-        """Stop routing; abort in the actor what is unfinished (fire-and-forget: we may be cancelled)."""
-        for eid in stream.request_ids:
-            self._fanout.close(eid)
-        if not stream.released:
-            stream.released = True
-            for eid in stream.unfinished():
-                self._background(self._abort(eid))

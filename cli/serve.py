@@ -29,6 +29,7 @@ from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.kv_dtypes import KV_CACHE_DTYPES
 from scheduling.errors import InvalidParameterError
 from scheduling.json_object import parse_json_object
+from scheduling.pooling import POOLING_MODES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -87,6 +88,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sp.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="decode steps as replayed CUDA graphs (default: on where they can run: CUDA, "
                          "flashinfer, one shard; docs/gpu.md)")
+    sp.add_argument("--embedding-pooling", choices=POOLING_MODES, default=None,
+                    help="how /v1/embeddings pools the final hidden states (default last; docs/embeddings.md)")
+    sp.add_argument("--embedding-normalize", action=argparse.BooleanOptionalAction, default=None,
+                    help="L2-normalise embeddings (default on)")
     sp.add_argument("--num-gpus", type=float, default=0.0,
                     help="GPUs for each replica's scheduler actor (the in-process executor)")
     sp.add_argument("--api-key", action="append", default=None, dest="api_keys", metavar="KEY",
@@ -173,7 +178,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
                  "kv_cache_memory_fraction", "dtype", "tensor_parallel_size", "expert_parallel", "cpu_threads",
                  "speculative_config", "kv_cache_dtype", "quantization", "quantization_group_size",
                  "attention_backend", "cuda_graphs", "enable_lora", "max_loras", "max_lora_rank",
-                 "max_cpu_loras", "kv_offload"):
+                 "max_cpu_loras", "kv_offload", "embedding_pooling", "embedding_normalize"):
         value = getattr(args, name)
         if value is not None:
             out[name] = value

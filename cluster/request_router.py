@@ -23,6 +23,10 @@ not the body: the replica pulls the body from the proxy after routing. So:
   ``prompt`` or ``messages``, or a string) is routed on the prompt text itself.
 - Anything else: power of two choices, like Serve's default router.
 
+A request about a stored response (``GET``/``DELETE /v1/responses/<id>``, or
+``X-Flotilla-Previous-Response: <id>``) goes first of all to the replica that
+holds it (``cluster.response_ids``), which alone can answer it.
+
 LoRA adapters come first: a request that names a model (``X-Flotilla-Model``,
 which the SDK sends, or ``model`` in a handle caller's body) goes to the
 least loaded replica that reports that adapter loaded (``ROUTING_LORAS`` in
@@ -48,6 +52,7 @@ from typing import Any, Literal
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster.response_ids import PREVIOUS_RESPONSE_HEADER, RESPONSES_PATH, replica_tag
 from cluster.routing import PrefixRouterCore
 
 PREFIX_HEADER = b"x-flotilla-prefix"
@@ -119,6 +124,23 @@ def routing_key(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutingKey | 
     if scope is None:
         return None
     return key_from_headers(scope.get("headers") or [])
+
+
+def response_owner(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """The replica tag of the stored response a pending HTTP request is about (``cluster.response_ids``):
+    the id in a ``/v1/responses/<id>`` path, else in ``X-Flotilla-Previous-Response``; None if neither."""
+    first = args[0] if args else kwargs.get("request", kwargs.get("body"))
+    scope = _scope(first)
+    if scope is None:
+        return None
+    path = scope.get("path")
+    if isinstance(path, str) and RESPONSES_PATH in path:  # the app's route prefix may come first
+        return replica_tag(path.rpartition(RESPONSES_PATH)[2])
+    header = PREVIOUS_RESPONSE_HEADER.lower().encode()
+    for name, value in scope.get("headers") or []:
+        if name.lower() == header and value:
+            return replica_tag(value.decode("utf-8", errors="replace"))
+    return None
 
 
 def requested_model(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
@@ -279,6 +301,10 @@ class PrefixAwareRequestRouter(RequestRouter):
                                  if model in ((r.routing_stats or {}).get(ROUTING_LORAS) or ()))  # fmt: skip
             adapter_on = self._state().adapter_holders(model, reported, now)
         ranks = self._state().rank(key, loads, now, adapter_on)
+        owner = response_owner(pending_request.args, pending_request.kwargs) if pending_request else None
+        if owner is not None and owner in by_id:  # the replica holding the response, however loaded
+            rest = sorted((rid for rid in by_id if rid != owner), key=lambda rid: loads[rid])
+            ranks = [[owner], rest] if rest else [[owner]]
         if ranks:
             # Recorded at choice time: Serve 2.60 calls on_request_routed only on its
             # strict-queue path, and the first rank is refused only when a replica is

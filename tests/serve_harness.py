@@ -42,10 +42,11 @@ def free_port() -> int:
 
 
 def http(url: str, body: bytes | dict[str, Any] | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    """``(status, parsed JSON)`` of a GET (no body) or POST."""
+         headers: dict[str, str] | None = None, method: str | None = None) -> tuple[int, Any]:
+    """``(status, parsed JSON)`` of a GET (no body) or POST, or of ``method``."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method=method)
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
             return resp.status, json.loads(resp.read())

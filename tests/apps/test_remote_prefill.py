@@ -12,6 +12,7 @@ from apps.builder import build_app
 from apps.disaggregation import DEFAULT_REMOTE_PREFILL_TIMEOUT_S, PREFILL_ATTEMPTS, RemotePrefill
 from apps.errors import APIError
 from scheduling.errors import InvalidParameterError
+from scheduling.pooling import DEFAULT_POOLING
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput
 
@@ -74,6 +75,7 @@ def test_long_uncached_prompts_go_remote_and_others_stay() -> None:
     assert not asyncio.run(remote.wants(list(range(40)), SamplingParams(n=2)))
     constrained = SamplingParams(structured_output=StructuredOutput.json_object())
     assert not asyncio.run(remote.wants(list(range(40)), constrained))
+    assert not asyncio.run(remote.wants(list(range(40)), SamplingParams(pooling=DEFAULT_POOLING)))  # an embedding
     assert len(actor.cached_prefix_tokens.calls) == 2
 
 

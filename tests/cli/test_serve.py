@@ -130,3 +130,16 @@ def test_expert_parallel_reaches_the_engine_config_only_when_asked() -> None:
     assert args["expert_parallel"] is True and args["executor"] == "ray"
     build_app(args)  # a valid EngineConfig; a dense model refuses it when its shards load (test_model_families)
     assert "expert_parallel" not in _args("--model", "tiny")
+
+
+def test_embedding_pooling_reaches_the_engine_config_only_when_asked() -> None:
+    args = _args("--model", "tiny", "--embedding-pooling", "mean", "--no-embedding-normalize")
+    assert (args["embedding_pooling"], args["embedding_normalize"]) == ("mean", False)
+    build_app(args)
+    plain = _args("--model", "tiny")
+    assert "embedding_pooling" not in plain and "embedding_normalize" not in plain
+    with pytest.raises(SystemExit):  # argparse refuses a mode it does not list
+        _args("--model", "tiny", "--embedding-pooling", "max")
+    with pytest.raises(InvalidParameterError) as err:  # and the engine config one given another way
+        build_app({**plain, "embedding_pooling": "max"})
+    assert err.value.param == "embedding_pooling"

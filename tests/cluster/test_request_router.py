@@ -17,9 +17,11 @@ from cluster.request_router import (
     key_from_headers,
     replica_key,
     requested_model,
+    response_owner,
     router_config,
     routing_key,
 )
+from cluster.response_ids import response_id
 from scheduling.errors import InvalidParameterError
 
 DOC = "You are a ship's navigator. " * 8  # > 64 chars: long enough to count as affinity
@@ -246,5 +248,36 @@ def test_an_app_serving_adapters_tells_the_router_its_base_model() -> None:
         assert (await router.choose_replicas(replicas, pending("task")))[0][0] is first  # it is loading task
         other = next(r for r in replicas if r is not first)
         assert (await router.choose_replicas(replicas, pending("other-task")))[0][0] is other  # least loaded
+
+    asyncio.run(scenario())
+
+
+def test_requests_about_a_stored_response_go_to_the_replica_that_holds_it() -> None:
+    """GET/DELETE /v1/responses/<id> by path, a continuation by X-Flotilla-Previous-Response, even when loaded."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+    from ray.serve._private.request_router.common import PendingRequest
+
+    rid = response_id("b")
+    by_path = SimpleNamespace(asgi_scope={"type": "http", "path": f"/v1/responses/{rid}", "headers": []})
+    assert response_owner([pickle.dumps(by_path)], {}) == "b"
+    by_path.asgi_scope["path"] = f"/app/v1/responses/{rid}"  # under an app's route prefix
+    assert response_owner([pickle.dumps(by_path)], {}) == "b"
+    assert response_owner([pickle.dumps(Scope([(b"X-Flotilla-Previous-Response", rid.encode())]))], {}) == "b"
+    assert response_owner([pickle.dumps(Scope([(b"x-flotilla-previous-response", b"resp_plain")]))], {}) is None
+    assert response_owner([pickle.dumps(Scope([]))], {}) is None and response_owner([{"prompt": "x"}], {}) is None
+
+    async def scenario() -> None:
+        dep = DeploymentID(name="LLMServer", app_name="flotilla")
+        router = PrefixAwareRequestRouter(dep, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(imbalance_threshold=1, seed=0)
+        replicas = [_replica(n, dep, {"num_open": load}) for n, load in (("a", 0), ("b", 50), ("c", 1))]
+        meta = SimpleNamespace(internal_request_id="r", multiplexed_model_id="")
+        headers = [(b"x-flotilla-previous-response", rid.encode())]
+        ranks = await router.choose_replicas(replicas, PendingRequest(args=[pickle.dumps(Scope(headers))],
+                                                                      kwargs={}, metadata=meta))
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b"], ["a", "c"]]
+        gone = await router.choose_replicas([replicas[0], replicas[2]], PendingRequest(
+            args=[pickle.dumps(Scope(headers))], kwargs={}, metadata=meta))
+        assert gone[0][0].replica_id.unique_id == "a"  # its replica left: anywhere (it answers 404)
 
     asyncio.run(scenario())

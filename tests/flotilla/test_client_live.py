@@ -11,7 +11,7 @@ import pytest
 
 import flotilla
 from flotilla import AsyncClient, Client
-from tests.serve_harness import LiveServer, live_server
+from tests.serve_harness import LiveServer, http, live_server
 
 GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
 PROMPT = "Once upon a time"
@@ -104,6 +104,45 @@ def test_errors_are_typed_with_param(live: LiveServer, client: Client) -> None:
         client.complete("x" * (5 * 1024 * 1024))
     assert big.value.status == 413
     assert client.complete(PROMPT, max_tokens=2).usage is not None  # the server is fine afterwards
+    live.assert_pages_free()
+
+
+def test_responses_and_embeddings_sync_and_async(live: LiveServer, client: Client) -> None:
+    first = client.responses("Hello there", instructions="Be brief.", max_output_tokens=6, temperature=0)
+    assert first.id.startswith("resp_") and first.status in ("completed", "incomplete") and first.text
+    assert first.usage is not None and 0 < first.usage.completion_tokens <= 6
+    second = client.responses("And then?", previous_response_id=first.id, max_output_tokens=6, temperature=0)
+    history = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first.text},
+               {"role": "user", "content": "And then?"}]
+    assert second.text == client.responses(history, max_output_tokens=6, temperature=0).text
+    weather = {"type": "function", "name": "get_weather",
+               "parameters": {"type": "object", "properties": {"rain": {"type": "boolean"}}, "required": ["rain"],
+                              "additionalProperties": False}}
+    called = client.responses("Weather?", tools=[weather], tool_choice={"type": "function", "name": "get_weather"},
+                              max_output_tokens=40, temperature=0)
+    [call] = called.tool_calls
+    assert call.name == "get_weather" and isinstance(call.load_arguments()["rain"], bool)
+    vectors = client.embed(["a sea", "the ship"]).vectors
+    assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 0
+    assert client.embed("the ship").vectors[0] == pytest.approx(vectors[1], abs=1e-5)
+
+    async def scenario() -> None:
+        async with AsyncClient(live.url) as aclient:
+            again = await aclient.responses("And then?", previous_response_id=first.id, max_output_tokens=6,
+                                            temperature=0)
+            assert again.text == second.text
+            assert (await aclient.embed([[1, 2, 3]])).vectors[0] == pytest.approx(
+                client.embed([1, 2, 3]).vectors[0], abs=1e-5)
+            with pytest.raises(flotilla.NotFoundError) as missing:
+                await aclient.responses("x", previous_response_id="resp_unknown")
+            assert missing.value.param == "previous_response_id" and "resp_unknown" in missing.value.message
+
+    asyncio.run(scenario())
+    with pytest.raises(flotilla.BadRequestError) as bad:
+        client.embed([])
+    assert bad.value.param == "input"
+    status, body = http(f"{live.url}/v1/embeddings", {"input": "x", "dimensions": 3})
+    assert status == 400 and body["error"]["param"] == "dimensions", body
     live.assert_pages_free()
 
 

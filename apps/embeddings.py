@@ -1,0 +1,92 @@
+"""``POST /v1/embeddings``: the request model, its engine inputs and the OpenAI ``list`` of embeddings.
+
+Each input is one engine request whose ``SamplingParams.pooling`` is the
+model's (``EngineConfig.pooling``: last token by default, or mean;
+L2-normalised unless configured otherwise; docs/embeddings.md): the engine
+runs it as a prefill, pools the final hidden states and frees its pages
+(nothing enters the prefix cache). A list of inputs is one batch, like a
+completions batch: the engine schedules its prompts together.
+
+``encoding_format``: ``float`` (a JSON array) or ``base64`` (the vector's
+float32 little-endian bytes, what openai-python asks for by default and
+decodes). ``dimensions``: the model's vectors cannot be shortened, so any
+value but their own length is refused (checked once the length is known).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from apps.request_params import prompt_batch
+from apps.stream_fanout import RequestStream
+from scheduling.errors import InvalidParameterError
+from scheduling.pooling import Pooling
+from scheduling.sampling_params import SamplingParams
+
+Vector = list[float]
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (unknown fields ignored, as on the other endpoints)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None  # None: float, as OpenAI's default
+    dimensions: int | None = None
+    user: str | None = None
+
+
+def embedding_inputs(req: EmbeddingRequest) -> list[str | list[int]]:
+    """The inputs in order, each a string or token ids (``[1, 2]`` is one input; ``[[1], [2]]`` two)."""
+    return prompt_batch(req.input, "input")
+
+
+def check_ids(ids: list[int], vocab_size: int) -> None:
+    """Refuse token ids outside the vocabulary (param "input": the engine would name "prompt")."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParameterError("input", f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+
+
+def embedding_params(pooling: Pooling, num_tokens: int, max_model_len: int) -> SamplingParams:
+    """The params of one input: pooled, never sampled; it must fit the context (param "input")."""
+    if num_tokens > max_model_len:
+        raise InvalidParameterError("input", f"an input has {num_tokens} tokens; max_model_len is {max_model_len}")
+    return SamplingParams(max_tokens=1, pooling=pooling)
+
+
+async def collect(stream: RequestStream) -> list[Vector]:
+    """Each input's vector, in input order (an engine failure raises ``APIError``, as for generation)."""
+    vectors: dict[int, Vector] = {}
+    while not stream.done:
+        delta = await stream.next()
+        if delta.embedding is not None:
+            vectors[delta.index] = delta.embedding
+    missing = [i for i in range(stream.n) if i not in vectors]
+    assert not missing, f"inputs {missing} finished without an embedding"
+    return [vectors[i] for i in range(stream.n)]
+
+
+def encode(vector: Vector, encoding_format: str | None) -> Vector | str:
+    """A vector as the response carries it: floats, or base64 of float32 little-endian."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
+
+
+def embedding_response(req: EmbeddingRequest, model: str, vectors: list[Vector],
+                       num_prompt_tokens: int) -> dict[str, object]:
+    """The OpenAI ``list`` object; refuses a ``dimensions`` other than the vectors' own length."""
+    size = len(vectors[0])
+    if req.dimensions is not None and req.dimensions != size:
+        raise InvalidParameterError("dimensions", f"this model's embeddings have {size} dimensions and cannot "
+                                                  f"be shortened to {req.dimensions}; leave dimensions unset")
+    data = [{"object": "embedding", "index": i, "embedding": encode(v, req.encoding_format)}
+            for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}

@@ -37,7 +37,7 @@ from typing import Any
 from apps.protocol import ChatMessage
 from scheduling.errors import InvalidParameterError
 
-DEFAULT_MAX_STORED_RESPONSES = 1024  # per replica; each holds its conversation's text
+DEFAULT_MAX_STORED_RESPONSES = 1024  # per replica; each holds its own turns' text (its parent's are shared)
 
 
 def responses_usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
@@ -196,10 +196,25 @@ def output_messages(output: list[dict[str, Any]]) -> list[ChatMessage]:
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """A finished response and the conversation that continues from it (its turns, without instructions)."""
+    """A finished response: its own turns (its input and its output, without instructions) after its parent's.
+
+    Holding the parent (the ``previous_response_id`` it continued) rather than a
+    copy of its turns keeps a chain of N responses at O(N) turns, not O(N^2);
+    a parent evicted from the store stays reachable from its children.
+    """
 
     response: dict[str, Any]
-    conversation: list[ChatMessage]
+    turns: list[ChatMessage]
+    parent: StoredResponse | None = None
+
+    def conversation(self) -> list[ChatMessage]:
+        """Every turn from the first response of the chain to this one's output."""
+        chain: list[StoredResponse] = []
+        entry: StoredResponse | None = self
+        while entry is not None:
+            chain.append(entry)
+            entry = entry.parent
+        return [turn for one in reversed(chain) for turn in one.turns]
 
 
 class ResponseStore:

@@ -45,11 +45,13 @@ from scheduling.errors import InvalidParameterError
 
 @dataclass(slots=True)
 class ResponsesCall:
-    """One parsed Responses request: the request, its chat translation, the conversation before its output."""
+    """One parsed Responses request: the request, its chat translation, the response it continues (if any)
+    and its own input turns."""
 
     request: ResponsesRequest
     chat: ChatCompletionRequest
-    conversation: list[ChatMessage] = field(default_factory=list)
+    parent: StoredResponse | None = None
+    turns: list[ChatMessage] = field(default_factory=list)
 
 
 def rename_error(exc: BaseException) -> BaseException:
@@ -88,11 +90,11 @@ class ResponsesService:
         """The body as a ``ResponsesCall`` (errors name the Responses field)."""
         try:
             req = rq.parse_request(body, ResponsesRequest, max_body_bytes=max_body_bytes)
-            history: list[ChatMessage] = []
+            parent = None
             if req.previous_response_id is not None:
-                history = list(self.lookup(req.previous_response_id, param="previous_response_id").conversation)
-            chat = to_chat(req, history)
-            return ResponsesCall(req, chat, history + input_messages(req))
+                parent = self.lookup(req.previous_response_id, param="previous_response_id")
+            chat = to_chat(req, [] if parent is None else parent.conversation())
+            return ResponsesCall(req, chat, parent, input_messages(req))
         except (InvalidParameterError, APIError) as exc:
             raise rename_error(exc) from None
 
@@ -117,7 +119,7 @@ class ResponsesService:
 
     def _keep(self, call: ResponsesCall, asm: ResponseAssembler) -> None:
         if call.request.store is not False and asm.status in ("completed", "incomplete"):
-            self.store.put(StoredResponse(asm.response(), call.conversation + output_messages(asm.output)))
+            self.store.put(StoredResponse(asm.response(), call.turns + output_messages(asm.output), call.parent))
 
     async def whole(self, call: ResponsesCall, stream: RequestStream, out: ResponseBuilder, asm: ResponseAssembler,
                     release: Callable[[], None]) -> JSONResponse:

@@ -187,6 +187,8 @@ class ReplicaMetrics:
                         self._record("inter_token_latency_seconds", gap, to_ray=ray_itl_left > 0)
                         ray_itl_left -= 1
                 self._last_token_at[key] = now
+            elif d.embedding is not None:  # an embedding request: its prompt is all it computes
+                num_prompt += d.num_prompt_tokens
             if d.finish_reason is not None:
                 self._last_token_at.pop(key, None)
                 self._record("request_success", 1, finished_reason=d.finish_reason)

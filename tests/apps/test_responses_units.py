@@ -149,6 +149,13 @@ def test_the_store_is_bounded_and_ids_name_their_replica() -> None:
     assert store.get("resp_r-2") is None and len(store) == 2 and store.delete("resp_r-1")
     rid = response_id("abc123")
     assert replica_tag(rid) == "abc123" and replica_tag("resp_plain") is None and replica_tag("chatcmpl-1") is None
+    # A chain shares its parents' turns; an evicted parent still serves its children's conversation.
+    one = StoredResponse({"id": "resp_r-a"}, [ChatMessage(role="user", content="a")])
+    two = StoredResponse({"id": "resp_r-b"}, [ChatMessage(role="user", content="b")], one)
+    store.put(one)
+    store.put(two)
+    store.put(StoredResponse({"id": "resp_r-c"}, []))
+    assert store.get("resp_r-a") is None and [t.content for t in two.conversation()] == ["a", "b"]
     with pytest.raises(InvalidParameterError) as bad:
         ResponseStore(max_entries=0)
     assert bad.value.param == "max_stored_responses"

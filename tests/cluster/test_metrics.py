@@ -98,6 +98,13 @@ def test_deltas_become_tokens_latencies_and_finish_reasons() -> None:
     assert s[("flotilla:e2e_request_latency_seconds_sum", ())] == pytest.approx(1.5)
     assert s[("flotilla:request_time_per_output_token_seconds_sum", ())] == pytest.approx(0.25)
     assert s[("flotilla:time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 1  # b's 0.1 s
+    # An embedding: its prompt counts, it succeeds, and it has no first token (no TTFT sample).
+    rm.observe([SequenceDelta("e", 0, [], "", None, "stop", 4, 0, None,
+                              SequenceTiming(3.0, None, 3.2, 0, 3.1), embedding=[0.5, 0.5])])
+    s = samples(rm.render())
+    assert s[("flotilla:prompt_tokens_total", ())] == 21
+    assert s[("flotilla:request_success_total", (("finished_reason", "stop"),))] == 1
+    assert s[("flotilla:time_to_first_token_seconds_count", ())] == 2
     assert s[("flotilla:time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 2  # and a's 0.5 s
     assert rm._last_token_at == {}  # finished sequences leave no state
 

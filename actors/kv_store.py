@@ -174,11 +174,18 @@ class RayBlockStore:
         self._lock = threading.Lock()  # the load, save and index threads all use the handles
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._faults = 0  # outages the index thread saw, not yet taken into the tier's errors (take_faults)
         # Started (or found) now, while the engine starts: a store's start-up is not a request's wait.
         ray.get(self._local_store().stats.remote(), timeout=STARTUP_TIMEOUT_S)
         self.refresh_index()
         self._thread = threading.Thread(target=self._follow, name="kv-store-index", daemon=True)
         self._thread.start()
+
+    def take_faults(self) -> int:
+        """Outages the index thread saw since the last call (one per outage), then 0."""
+        with self._lock:
+            faults, self._faults = self._faults, 0
+        return faults
 
     def holds(self, key: BlockKey) -> bool:
         """Whether some store held ``key`` at the last refresh (or this client put it since)."""
@@ -240,6 +247,8 @@ class RayBlockStore:
                 if not failing:  # once per outage
                     logger.warning("KV cluster tier: reading the stores' indexes failed (%s: %s); retrying",
                                    type(e).__name__, e)
+                    with self._lock:
+                        self._faults += 1
                 failing = True
                 self._forget()
                 self._closed.wait(1.0)  # a store that is down: look again in a second

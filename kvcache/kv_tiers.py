@@ -84,6 +84,9 @@ class BlockStore(Protocol):
     def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
         """Hand encoded blocks to the store (it may drop them to stay within its bound)."""
 
+    def take_faults(self) -> int:
+        """Outages the client saw on its own since the last call (its index could not be read), then 0."""
+
 
 class HostTier:
     """Encoded blocks in this process's memory, LRU within ``max_bytes``."""
@@ -260,6 +263,10 @@ class TieredKV:
             if block is None:
                 break
             blocks.append(block)
+        if self.store is not None:
+            # A store the client found dead between lookups (then it makes no call, holding no index of it)
+            # counts as the fault a failed read would have been.
+            self.stats["cluster"].errors += self.store.take_faults()
         if len(blocks) < len(keys) and self.store is not None:
             blocks += self._cluster(keys[len(blocks) :])
         return payloads_of(blocks) if blocks else None

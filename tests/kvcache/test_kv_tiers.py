@@ -209,6 +209,9 @@ class _DeadStore:
     def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> None:
         raise ConnectionError("store gone")
 
+    def take_faults(self) -> int:
+        return 0  # its calls fail instead
+
 
 def test_a_dead_cluster_store_is_a_miss(tmp_path: Path) -> None:
     tiers = _tiers(tmp_path, store=_DeadStore())
@@ -227,6 +230,7 @@ class _MemStore:
 
     def __init__(self) -> None:
         self.blocks: dict[bytes, np.ndarray] = {}
+        self.faults = 0  # outages "seen" by its index thread (a real client's)
 
     def holds(self, key: bytes) -> bool:
         return key in self.blocks
@@ -241,6 +245,10 @@ class _MemStore:
 
     def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> None:
         self.blocks.update(items)
+
+    def take_faults(self) -> int:
+        faults, self.faults = self.faults, 0
+        return faults
 
 
 def test_the_cluster_tier_serves_another_engine_and_refuses_a_corrupt_block(tmp_path: Path) -> None:
@@ -258,3 +266,7 @@ def test_the_cluster_tier_serves_another_engine_and_refuses_a_corrupt_block(tmp_
     third = _tiers(tmp_path, store=store)
     got = third.fetch(keys)
     assert got is not None and got[0].num_pages == 2 and third.stats["cluster"].errors == 1
+    # An outage the client's index thread saw counts once, at the next lookup, even one that needs no call.
+    store.faults = 1
+    third.fetch(keys)
+    assert third.stats["cluster"].errors == 3  # the corrupt block again, and the outage

@@ -5,7 +5,10 @@ model's (``EngineConfig.pooling``: last token by default, or mean;
 L2-normalised unless configured otherwise; docs/embeddings.md): the engine
 runs it as a prefill, pools the final hidden states and frees its pages
 (nothing enters the prefix cache). A list of inputs is one batch, like a
-completions batch: the engine schedules its prompts together.
+completions batch: the engine schedules its prompts together. The engine
+checks each input (its ids against the vocabulary, its length against
+``max_model_len``) when it is submitted; ``rename_error`` names the field
+``input`` where the engine says ``prompt``.
 
 ``encoding_format``: ``float`` (a JSON array) or ``base64`` (the vector's
 float32 little-endian bytes, what openai-python asks for by default and
@@ -21,11 +24,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from apps.errors import renamed
 from apps.request_params import prompt_batch
 from apps.stream_fanout import RequestStream
 from scheduling.errors import InvalidParameterError
-from scheduling.pooling import Pooling
-from scheduling.sampling_params import SamplingParams
 
 Vector = list[float]
 
@@ -46,18 +48,13 @@ def embedding_inputs(req: EmbeddingRequest) -> list[str | list[int]]:
     return prompt_batch(req.input, "input")
 
 
-def check_ids(ids: list[int], vocab_size: int) -> None:
-    """Refuse token ids outside the vocabulary (param "input": the engine would name "prompt")."""
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidParameterError("input", f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+# The engine names a prompt "prompt" when it refuses one (an id outside the vocabulary, over max_model_len).
+ENGINE_TO_EMBEDDINGS = {"prompt": "input"}
 
 
-def embedding_params(pooling: Pooling, num_tokens: int, max_model_len: int) -> SamplingParams:
-    """The params of one input: pooled, never sampled; it must fit the context (param "input")."""
-    if num_tokens > max_model_len:
-        raise InvalidParameterError("input", f"an input has {num_tokens} tokens; max_model_len is {max_model_len}")
-    return SamplingParams(max_tokens=1, pooling=pooling)
+def rename_error(exc: BaseException) -> BaseException:
+    """``exc`` naming ``input`` where the engine named ``prompt``."""
+    return renamed(exc, ENGINE_TO_EMBEDDINGS)
 
 
 async def collect(stream: RequestStream) -> list[Vector]:

@@ -18,6 +18,7 @@ original exception is unwrapped from its ``cause`` first.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -118,6 +119,23 @@ def _validation_param(exc: ValidationError) -> tuple[str | None, str]:
                 msgs.append(msg)
     text = " or ".join(msgs[:3])
     return param, f"{path}: {text}" if path else text
+
+
+def renamed(exc: BaseException, names: Mapping[str, str]) -> BaseException:
+    """``exc`` naming its field as the endpoint's request calls it.
+
+    An endpoint that reuses another's path (the Responses API over chat,
+    embeddings over prompts) gets errors naming the other's fields; a
+    ``param`` found in ``names`` is replaced, in the param and in the message.
+    Ray's wrappers are unwrapped first (an engine refusal crosses an actor).
+    """
+    exc = _unwrap(exc)
+    if isinstance(exc, InvalidParameterError) and exc.param in names:
+        new = names[exc.param]
+        return InvalidParameterError(new, exc.message.replace(exc.param, new))
+    if isinstance(exc, APIError) and exc.param is not None and exc.param in names:
+        return APIError(exc.status, exc.message, param=names[exc.param], type=exc.type, code=exc.code)
+    return exc
 
 
 def error_response(exc: BaseException) -> tuple[int, dict[str, Any]]:

@@ -1,8 +1,9 @@
-"""A replica's request machinery: admission against its capacity, submission, release and aborts.
+"""A replica's request machinery: admission, each endpoint's body to engine requests, submission, aborts.
 
 ``LLMServer`` (``apps.server``) inherits this: every endpoint that runs
 engine requests (completions, chat, responses, embeddings) admits through
-``_inputs`` and submits through ``_start``, so capacity, the admitted-slot
+``_inputs`` (with the endpoint's ``_parse_*``: body, prompts' token ids,
+adapter, params) and submits through ``_start``, so capacity, the admitted-slot
 accounting, cancellation and the aborts that free KV pages have one
 implementation. The attributes below are ``LLMServer.__init__``'s.
 
@@ -21,24 +22,35 @@ import contextlib
 import functools
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import ray
 from fastapi import Request
 from fastapi.responses import Response
 
+from actors.config import EngineConfig
 from actors.remote.scheduler_handle import SchedulerHandle
+from apps import embeddings as em
+from apps import protocol as p
+from apps import request_params as rq
 from apps.auth import ApiKeyAuth
 from apps.detached import detached
 from apps.disaggregation import RemotePrefill
 from apps.errors import APIError
 from apps.http_responses import RETRY_AFTER_S, error_json
+from apps.lora_serving import ReplicaLoRAs
+from apps.prompt_encoder import PromptEncoder
 from apps.request_body import read_body
+from apps.request_kind import RequestKind
+from apps.responses_service import ResponsesCall, ResponsesService
 from apps.stream_fanout import RequestStream, StreamFanout
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 
 T = TypeVar("T")
+# A generation request as submitted: ``(request, model, prompts' token ids, their params)``.
+Generation = tuple[p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]
 
 
 class ReplicaRequests:
@@ -52,6 +64,11 @@ class ReplicaRequests:
     _scheduler: SchedulerHandle
     _remote: RemotePrefill | None
     _tasks: set[asyncio.Task[None]]
+    config: EngineConfig
+    model_name: str
+    loras: ReplicaLoRAs
+    _encoder: PromptEncoder
+    _responses: ResponsesService
 
     async def _inputs(self, request: Request, parse: Callable[[bytes], Awaitable[T]]) -> T:
         """Admit a request (auth, capacity) and ``parse`` its body, holding one admitted slot from the check on.
@@ -69,6 +86,51 @@ class ReplicaRequests:
         except BaseException:
             self._admitting -= 1
             raise
+
+    # ------------------------------------------------------ bodies to engine requests
+    async def _parse_generation(self, kind: RequestKind, body: bytes) -> Generation:
+        """A completions or chat body: ``(request, model, prompts' token ids, their params)``."""
+        req: p.CompletionRequest | p.ChatCompletionRequest
+        if kind is RequestKind.COMPLETION:
+            req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
+            prompts = rq.completion_prompts(req)
+            self._check_size(len(prompts), "prompt", "prompts")
+            ids = [await self._encoder.encode(one) for one in prompts]
+        else:
+            req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
+            ids = [await self._chat_ids(req)]
+        return await self._generation(req, ids)
+
+    async def _chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
+        """The token ids of a chat request's conversation (and tools), through the chat template."""
+        turns, tools = rq.chat_prompt(req, template_tools=self._encoder.supports_tools)
+        return await self._encoder.encode_chat(turns, tools)
+
+    async def _generation(self, req: p.CompletionRequest | p.ChatCompletionRequest,
+                          ids: list[list[int]]) -> Generation:
+        """The model and each prompt's params of a parsed request (its adapter resolved)."""
+        lora = await self.loras.resolve(req.model)  # 404 for a name that is neither the base nor an adapter
+        model = req.model or self.model_name
+        params = [replace(rq.to_sampling_params(req, max_model_len=self.config.max_model_len,
+                                                num_prompt_tokens=len(one)), lora=lora)
+                  for one in ids]  # fmt: skip
+        self._check_batch(len(ids))
+        return req, model, ids, params
+
+    async def _parse_response(self, body: bytes) -> tuple[ResponsesCall, Generation]:
+        call = self._responses.parse(body, self.max_body_bytes)
+        return call, await self._generation(call.chat, [await self._chat_ids(call.chat)])
+
+    async def _parse_embeddings(self, body: bytes) -> tuple[em.EmbeddingRequest, str, list[list[int]],
+                                                            list[SamplingParams]]:
+        req = rq.parse_request(body, em.EmbeddingRequest, max_body_bytes=self.max_body_bytes)
+        inputs = em.embedding_inputs(req)
+        self._check_size(len(inputs), "input", "inputs")
+        ids = [await self._encoder.encode(one) for one in inputs]
+        # One params for every input: pooled, never sampled (max_tokens has no meaning for it).
+        params = SamplingParams(pooling=self.config.pooling, lora=await self.loras.resolve(req.model))
+        self._check_batch(len(ids))
+        return req, req.model or self.model_name, ids, [params] * len(ids)
 
     def _check_size(self, size: int, param: str, noun: str) -> None:
         """A 400 for a list of ``size`` prompts more than this replica ever holds: a 429 would never clear."""

@@ -19,7 +19,7 @@ Translation (OpenAI's semantics):
   flat function ``tools`` and ``tool_choice`` -> chat's nested ones.
 
 Errors name the Responses field: a chat field name in an error raised
-downstream is mapped back by ``responses_param``. Options a serving engine
+downstream is mapped back through ``CHAT_TO_RESPONSES`` (``apps.errors.renamed``). Options a serving engine
 cannot honour (``background``, ``conversation``, ``reasoning``, ``include``,
 ``truncation="auto"``, ``top_logprobs``, ``max_tool_calls``,
 ``parallel_tool_calls=false``) are refused, naming the field, rather than
@@ -178,13 +178,8 @@ _REFUSED = (
 )
 
 # Chat field -> the Responses field a user wrote it as (for errors raised on the chat request).
-_PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                "response_format": "text", "prompt": "input"}
-
-
-def responses_param(param: str | None) -> str | None:
-    """The Responses field of a chat request's ``param``."""
-    return None if param is None else _PARAM_NAMES.get(param, param)
+CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                     "max_tokens": "max_output_tokens", "response_format": "text", "prompt": "input"}
 
 
 def check_supported(req: ResponsesRequest) -> None:

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from apps import protocol as p
 from apps import request_params as rq
-from apps.errors import APIError, error_response
+from apps.errors import APIError, error_response, renamed
 from apps.http_responses import error_json
 from apps.protocol import ChatCompletionRequest, ChatMessage
 from apps.response_builder import ResponseBuilder
@@ -37,10 +37,9 @@ from apps.responses_output import (
     output_messages,
     responses_usage,
 )
-from apps.responses_protocol import ResponsesRequest, input_messages, responses_param, to_chat
+from apps.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest, input_messages, to_chat
 from apps.stream_fanout import RequestStream
 from cluster.response_ids import PREVIOUS_RESPONSE_HEADER, replica_tag
-from scheduling.errors import InvalidParameterError
 
 
 @dataclass(slots=True)
@@ -55,14 +54,8 @@ class ResponsesCall:
 
 
 def rename_error(exc: BaseException) -> BaseException:
-    """``exc`` with a chat field name it carries (param and message) replaced by the Responses field."""
-    if isinstance(exc, InvalidParameterError) and exc.param is not None:
-        param = responses_param(exc.param) or exc.param
-        if param != exc.param:
-            return InvalidParameterError(param, exc.message.replace(exc.param, param))
-    if isinstance(exc, APIError) and exc.param is not None and responses_param(exc.param) != exc.param:
-        return APIError(exc.status, exc.message, param=responses_param(exc.param), type=exc.type, code=exc.code)
-    return exc
+    """``exc`` naming the Responses field where it names the chat field it became."""
+    return renamed(exc, CHAT_TO_RESPONSES)
 
 
 class ResponsesService:
@@ -87,16 +80,13 @@ class ResponsesService:
                        param=param, code="response_not_found")
 
     def parse(self, body: bytes, max_body_bytes: int) -> ResponsesCall:
-        """The body as a ``ResponsesCall`` (errors name the Responses field)."""
-        try:
-            req = rq.parse_request(body, ResponsesRequest, max_body_bytes=max_body_bytes)
-            parent = None
-            if req.previous_response_id is not None:
-                parent = self.lookup(req.previous_response_id, param="previous_response_id")
-            chat = to_chat(req, [] if parent is None else parent.conversation())
-            return ResponsesCall(req, chat, parent, input_messages(req))
-        except (InvalidParameterError, APIError) as exc:
-            raise rename_error(exc) from None
+        """The body as a ``ResponsesCall`` (the caller maps chat field names in errors: ``rename_error``)."""
+        req = rq.parse_request(body, ResponsesRequest, max_body_bytes=max_body_bytes)
+        parent = None
+        if req.previous_response_id is not None:
+            parent = self.lookup(req.previous_response_id, param="previous_response_id")
+        chat = to_chat(req, [] if parent is None else parent.conversation())
+        return ResponsesCall(req, chat, parent, input_messages(req))
 
     def skeleton(self, call: ResponsesCall, rid: str, model: str, created: int) -> dict[str, Any]:
         """The fixed fields of the response object: its id, model and the request's options, echoed."""

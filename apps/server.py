@@ -48,7 +48,6 @@ import contextlib
 import functools
 import time
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,7 +80,7 @@ from apps.request_body import read_body
 from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
 from apps.responses_output import DEFAULT_MAX_STORED_RESPONSES, ResponseAssembler
-from apps.responses_service import ResponsesCall, ResponsesService, rename_error
+from apps.responses_service import ResponsesService, rename_error
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.stream_fanout import EventStreamResponse, StreamFanout
 from apps.token_text import TokenText
@@ -89,11 +88,8 @@ from apps.tool_choice import tool_plan
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
 from cluster.response_ids import response_id
 from scheduling.errors import InvalidParameterError
-from scheduling.sampling_params import SamplingParams
 
 app = FastAPI(title="flotilla", docs_url=None, redoc_url=None)
-# A generation request as submitted: ``(request, model, prompts' token ids, their params)``.
-Generation = tuple[p.CompletionRequest | p.ChatCompletionRequest, str, list[list[int]], list[SamplingParams]]
 DEFAULT_MAX_QUEUED_REQUESTS = 256  # per replica, beyond max_num_seqs; more get 429 + Retry-After
 
 
@@ -230,18 +226,10 @@ class LLMServer(ReplicaStats, ReplicaRequests):
     @app.post("/v1/responses")
     async def create_response(self, request: Request) -> Response:
         """The Responses API over the chat path (``apps.responses_service``): JSON or typed SSE events."""
-        calls: list[ResponsesCall] = []
-
-        async def parse(body: bytes) -> Generation:
-            call = self._responses.parse(body, self.max_body_bytes)
-            calls.append(call)
-            return await self._generation(call.chat, [await self._chat_ids(call.chat)])
-
         try:
-            _, model, prompts, params = await self._inputs(request, parse)
+            call, (_, model, prompts, params) = await self._inputs(request, self._parse_response)
         except Exception as exc:
             return error_json(rename_error(exc))
-        call = calls[0]
         started = await self._start("resp", prompts, params, errors=rename_error)
         if isinstance(started, Response):
             return started
@@ -281,7 +269,7 @@ class LLMServer(ReplicaStats, ReplicaRequests):
             req, model, ids, params = await self._inputs(request, self._parse_embeddings)
         except Exception as exc:
             return error_json(exc)
-        started = await self._start("embd", ids, params)
+        started = await self._start("embd", ids, params, errors=em.rename_error)  # the engine checks the inputs
         if isinstance(started, Response):
             return started
         stream, release = started
@@ -292,20 +280,6 @@ class LLMServer(ReplicaStats, ReplicaRequests):
             return error_json(exc)
         finally:
             release()
-
-    async def _parse_embeddings(self, body: bytes) -> tuple[em.EmbeddingRequest, str, list[list[int]],
-                                                            list[SamplingParams]]:
-        req = rq.parse_request(body, em.EmbeddingRequest, max_body_bytes=self.max_body_bytes)
-        inputs = em.embedding_inputs(req)
-        self._check_size(len(inputs), "input", "inputs")
-        ids = [await self._encoder.encode(one) for one in inputs]
-        for one in ids:
-            em.check_ids(one, len(self.tokenizer))
-        lora = await self.loras.resolve(req.model)
-        params = [replace(em.embedding_params(self.config.pooling, len(one), self.config.max_model_len), lora=lora)
-                  for one in ids]  # fmt: skip
-        self._check_batch(len(ids))
-        return req, req.model or self.model_name, ids, params
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -404,35 +378,6 @@ class LLMServer(ReplicaStats, ReplicaRequests):
         return JSONResponse({"prompt": text})
 
     # ------------------------------------------------------------- generation
-    async def _parse_generation(self, kind: RequestKind, body: bytes) -> Generation:
-        """A completions or chat body: ``(request, model, prompts' token ids, their params)``."""
-        req: p.CompletionRequest | p.ChatCompletionRequest
-        if kind is RequestKind.COMPLETION:
-            req = rq.parse_request(body, p.CompletionRequest, max_body_bytes=self.max_body_bytes)
-            prompts = rq.completion_prompts(req)
-            self._check_size(len(prompts), "prompt", "prompts")
-            ids = [await self._encoder.encode(one) for one in prompts]
-        else:
-            req = rq.parse_request(body, p.ChatCompletionRequest, max_body_bytes=self.max_body_bytes)
-            ids = [await self._chat_ids(req)]
-        return await self._generation(req, ids)
-
-    async def _chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
-        """The token ids of a chat request's conversation (and tools), through the chat template."""
-        turns, tools = rq.chat_prompt(req, template_tools=self._encoder.supports_tools)
-        return await self._encoder.encode_chat(turns, tools)
-
-    async def _generation(self, req: p.CompletionRequest | p.ChatCompletionRequest,
-                          ids: list[list[int]]) -> Generation:
-        """The model and each prompt's params of a parsed request (its adapter resolved)."""
-        lora = await self.loras.resolve(req.model)  # 404 for a name that is neither the base nor an adapter
-        model = req.model or self.model_name
-        params = [replace(rq.to_sampling_params(req, max_model_len=self.config.max_model_len,
-                                                num_prompt_tokens=len(one)), lora=lora)
-                  for one in ids]  # fmt: skip
-        self._check_batch(len(ids))
-        return req, model, ids, params
-
     async def _generate(self, request: Request, kind: RequestKind) -> Response:
         try:
             req, model, prompts, params = await self._inputs(request, functools.partial(self._parse_generation, kind))

@@ -8,20 +8,8 @@ then power of two choices), every other replica next, shortest queue first, so
 Serve still has somewhere to go if the pick refuses. The prompt is recorded
 under the pick when it is chosen.
 
-What the router can see (checked against ray 2.60.0: ``proxy.py``,
-``proxy_request_response.py``, ``common.StreamingHTTPRequest``): for an HTTP
-ingress deployment ``pending_request.args[0]`` is the pickled
-``StreamingHTTPRequest``, which carries the ASGI *scope* (path, headers) and
-not the body: the replica pulls the body from the proxy after routing. So:
-
-- ``X-Flotilla-Prefix: <text>``: the client names the shared part of its
-  prompt (a system prompt, a document, or any stable label of it); matched as
-  text, longest prefix wins. ``bench autoscale --mode routing`` sends it.
-- ``X-Flotilla-Session: <id>`` (what the SDK sends): the whole session sticks
-  to one replica, within the same load-balance bound.
-- A ``DeploymentHandle`` caller that passes the request body (a dict with
-  ``prompt`` or ``messages``, or a string) is routed on the prompt text itself.
-- Anything else: power of two choices, like Serve's default router.
+What the router reads from a pending request (a prompt, a session, an
+adapter, a stored response's id) is ``cluster.pending_requests``'s.
 
 A request about a stored response (``GET``/``DELETE /v1/responses/<id>``, or
 ``X-Flotilla-Previous-Response: <id>``) goes first of all to the replica that
@@ -43,21 +31,21 @@ asked (``default_headers``): its adapter requests are routed on the prompt.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.response_ids import PREVIOUS_RESPONSE_HEADER, RESPONSES_PATH, replica_tag
+from cluster.pending_requests import (
+    RequestArg,
+    RoutingKey,
+    request_key,
+    request_model,
+    request_owner,
+)
 from cluster.routing import PrefixRouterCore
 
-PREFIX_HEADER = b"x-flotilla-prefix"
-SESSION_HEADER = b"x-flotilla-session"
-MODEL_HEADER = b"x-flotilla-model"
 # The keys ``ReplicaStats.record_routing_stats`` reports the replica's loaded LoRA adapters and
 # its base model's served name under (a request for the base model is no adapter request).
 ROUTING_LORAS = "loras"
@@ -68,94 +56,6 @@ LORA_BASE_MODEL = "lora_base_model"
 ROUTING_NUM_OPEN = "num_open"
 ROUTER_CLASS = "cluster.request_router:PrefixAwareRequestRouter"
 _SESSION_KEY_CHARS = 64  # sha256 hex: sessions match whole or not at all
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingKey:
-    """What a request is routed on: prompt text (prefix match) or a session id (exact)."""
-
-    kind: Literal["prompt", "session"]
-    text: str
-
-
-def _prompt_text(body: Mapping[str, Any]) -> str | None:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        parts = [f"{m.get('role', '')}:{m.get('content', '')}" for m in messages if isinstance(m, Mapping)]
-        return "\n".join(parts) if parts else None
-    return None
-
-
-def _scope(arg: Any) -> Mapping[str, Any] | None:
-    """The ASGI scope of a proxied HTTP request (pickled or not), else None."""
-    if isinstance(arg, bytes | bytearray):
-        try:
-            arg = pickle.loads(arg)  # noqa: S301 - Serve's own proxy-to-replica message
-        except Exception:
-            return None
-    scope = getattr(arg, "asgi_scope", None)
-    return scope if isinstance(scope, Mapping) else None
-
-
-def key_from_headers(headers: Sequence[tuple[bytes, bytes]]) -> RoutingKey | None:
-    """The routing key named by ``X-Flotilla-Prefix`` (preferred) or ``X-Flotilla-Session``."""
-    found = {name.lower(): value for name, value in headers if name.lower() in (PREFIX_HEADER, SESSION_HEADER)}
-    if found.get(PREFIX_HEADER):
-        return RoutingKey("prompt", found[PREFIX_HEADER].decode("utf-8", errors="replace"))
-    if found.get(SESSION_HEADER):
-        return RoutingKey("session", hashlib.sha256(found[SESSION_HEADER]).hexdigest())
-    return None
-
-
-def routing_key(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutingKey | None:
-    """The key of a pending request's arguments (see the module docstring), or None."""
-    first = args[0] if args else kwargs.get("request", kwargs.get("body"))
-    if isinstance(first, str):
-        return RoutingKey("prompt", first)
-    if isinstance(first, Mapping):
-        text = _prompt_text(first)
-        return RoutingKey("prompt", text) if text else None
-    scope = _scope(first)
-    if scope is None:
-        return None
-    return key_from_headers(scope.get("headers") or [])
-
-
-def response_owner(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
-    """The replica tag of the stored response a pending HTTP request is about (``cluster.response_ids``):
-    the id in a ``/v1/responses/<id>`` path, else in ``X-Flotilla-Previous-Response``; None if neither."""
-    first = args[0] if args else kwargs.get("request", kwargs.get("body"))
-    scope = _scope(first)
-    if scope is None:
-        return None
-    path = scope.get("path")
-    if isinstance(path, str) and RESPONSES_PATH in path:  # the app's route prefix may come first
-        return replica_tag(path.rpartition(RESPONSES_PATH)[2])
-    header = PREVIOUS_RESPONSE_HEADER.lower().encode()
-    for name, value in scope.get("headers") or []:
-        if name.lower() == header and value:
-            return replica_tag(value.decode("utf-8", errors="replace"))
-    return None
-
-
-def requested_model(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
-    """The model (maybe a LoRA adapter) a pending request names, or None."""
-    first = args[0] if args else kwargs.get("request", kwargs.get("body"))
-    if isinstance(first, Mapping):
-        model = first.get("model")
-        return model if isinstance(model, str) and model else None
-    scope = _scope(first)
-    if scope is None:
-        return None
-    for name, value in scope.get("headers") or []:
-        if name.lower() == MODEL_HEADER and value:
-            return str(value.decode("utf-8", errors="replace"))
-    return None
 
 
 class PrefixRouting:
@@ -286,8 +186,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         """Ranks for one request: the affinity (or p2c) pick, then everyone else."""
         by_id = {replica_key(r.replica_id): r for r in candidate_replicas}
         loads = {rid: self.replica_load(r) for rid, r in by_id.items()}
-        key = routing_key(pending_request.args, pending_request.kwargs) if pending_request else None
-        model = requested_model(pending_request.args, pending_request.kwargs) if pending_request else None
+        arg = RequestArg.of(pending_request.args, pending_request.kwargs) if pending_request else None
+        key = None if arg is None else request_key(arg)
+        model = None if arg is None else request_model(arg)
         adapter_on = None
         stats = [r.routing_stats or {} for r in candidate_replicas]
         now = time.monotonic()
@@ -301,7 +202,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                                  if model in ((r.routing_stats or {}).get(ROUTING_LORAS) or ()))  # fmt: skip
             adapter_on = self._state().adapter_holders(model, reported, now)
         ranks = self._state().rank(key, loads, now, adapter_on)
-        owner = response_owner(pending_request.args, pending_request.kwargs) if pending_request else None
+        owner = None if arg is None else request_owner(arg)
         if owner is not None and owner in by_id:  # the replica holding the response, however loaded
             rest = sorted((rid for rid in by_id if rid != owner), key=lambda rid: loads[rid])
             ranks = [[owner], rest] if rest else [[owner]]

@@ -9,17 +9,19 @@ from typing import Any
 
 import pytest
 
+from cluster.pending_requests import (
+    RoutingKey,
+    key_from_headers,
+    requested_model,
+    response_owner,
+    routing_key,
+)
 from cluster.request_router import (
     ROUTER_CLASS,
     PrefixAwareRequestRouter,
     PrefixRouting,
-    RoutingKey,
-    key_from_headers,
     replica_key,
-    requested_model,
-    response_owner,
     router_config,
-    routing_key,
 )
 from cluster.response_ids import response_id
 from scheduling.errors import InvalidParameterError

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from apps.protocol import ChatCompletionRequest, ChatMessage
-from apps.tool_protocol import JsonObjectFormat, TextFormat
+from apps.tool_protocol import FunctionDefinition, JsonObjectFormat, JsonSchemaSpec, TextFormat
 from scheduling.errors import InvalidParameterError
 
 
@@ -97,14 +97,10 @@ InputItem = Annotated[
 
 
 # ------------------------------------------------------------- text and tools
-class JsonSchemaText(_Strict):
-    """``text.format`` of type ``json_schema``: the Responses API's flat form (no nested ``json_schema``)."""
+class JsonSchemaText(JsonSchemaSpec):
+    """``text.format`` of type ``json_schema``: chat's ``json_schema`` spec, flat (``type`` beside it)."""
 
     type: Literal["json_schema"]
-    name: str
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
 
 
 TextFormatConfig = Annotated[TextFormat | JsonObjectFormat | JsonSchemaText, Field(discriminator="type")]
@@ -116,14 +112,10 @@ class TextConfig(_Strict):
     format: TextFormatConfig | None = None
 
 
-class FunctionTool(_Strict):
-    """``tools[i]``: a function tool, flat (``name`` at the top, unlike chat)."""
+class FunctionTool(FunctionDefinition):
+    """``tools[i]``: chat's function definition, flat (``type`` beside ``name``, not around it)."""
 
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionToolChoice(_Strict):
@@ -221,12 +213,7 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
         return None
     if isinstance(fmt, JsonObjectFormat):
         return {"type": "json_object"}
-    spec: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_}
-    if fmt.description is not None:
-        spec["description"] = fmt.description
-    if fmt.strict is not None:
-        spec["strict"] = fmt.strict
-    return {"type": "json_schema", "json_schema": spec}
+    return {"type": "json_schema", "json_schema": fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)}
 
 
 def _tool_choice(choice: str | FunctionToolChoice | None) -> str | dict[str, Any] | None:

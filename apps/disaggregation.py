@@ -22,10 +22,12 @@ tokens, the decode pool on TPOT and running sequences), ``replica_options``,
 app's ingress (the OpenAI API, prefix-aware routing as without ``pd``); it
 holds a handle to the prefill pool. Both pools must store KV alike
 (``_SHARED_KV``: model, dtype, page size, ``kv_cache_dtype``, tensor
-parallelism): each setting as each pool will run it (its own, else the app's,
-else ``EngineConfig``'s default) is compared at build time and a difference
+parallelism, and the weights' ``quantization`` and its group size): each
+setting as each pool will run it (its own, else the app's, else
+``EngineConfig``'s default) is compared at build time and a difference
 is refused, naming the setting and both values; the decode side also refuses
-a payload that does not match its pool.
+a payload that does not match its pool or its weight quantization (a pool
+redeployed with other settings may meet the old pool's replicas).
 
 The prefill pool (``PrefillServer``): a prefill replica owns one
 ``SchedulerActor``. Decode replicas call ``prefill`` through a Serve handle:
@@ -72,7 +74,12 @@ from ray.serve import Application, Deployment
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from actors.config import EngineConfig
-from actors.engine.disaggregation import PrefillResult, check_decode_drafting
+from actors.engine.disaggregation import (
+    WEIGHT_QUANTIZATION_FIELDS,
+    PrefillResult,
+    check_decode_drafting,
+)
+from actors.engine.kv_offload import scoped_to_app
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from actors.engine.stats import EngineStats, LatencyWindow
 from actors.remote.scheduler_handle import ActorScheduler, SchedulerHandle
@@ -177,7 +184,7 @@ class PrefillServer:
 
     def __init__(self, engine: dict[str, Any], *, scheduler_options: dict[str, Any] | None = None,
                  startup_timeout_s: float = 600.0) -> None:
-        self.config = EngineConfig.from_kwargs(**engine)
+        self.config = scoped_to_app(EngineConfig.from_kwargs(**engine), serve.get_replica_context().app_name)
         self._scheduler = ActorScheduler.start(self.config, scheduler_options, startup_timeout_s=startup_timeout_s,
                                                role="prefill scheduler actor")
         self._latency: LatencyWindow = recent_latency_window()
@@ -228,7 +235,8 @@ class PrefillServer:
 POOLS = ("prefill", "decode")
 # The decode replicas' options (``LLMServer`` keywords of the same names).
 REMOTE_OPTIONS = ("remote_prefill_min_tokens", "remote_prefill_timeout_s")
-_SHARED_KV = ("model", "page_size", "kv_cache_dtype", "dtype", "tensor_parallel_size")
+# The weights' quantization too: KV computed by int8 weights fits a bfloat16 pool and would be cached there.
+_SHARED_KV = ("model", "page_size", "kv_cache_dtype", "dtype", "tensor_parallel_size", *WEIGHT_QUANTIZATION_FIELDS)
 
 
 def split_pd(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

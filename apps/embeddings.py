@@ -12,14 +12,17 @@ checks each input (its ids against the vocabulary, its length against
 
 ``encoding_format``: ``float`` (a JSON array) or ``base64`` (the vector's
 float32 little-endian bytes, what openai-python asks for by default and
-decodes). ``dimensions``: the model's vectors cannot be shortened, so any
-value but their own length is refused (checked once the length is known).
+decodes). ``dimensions``: the model's vectors (its final hidden states, of
+``hidden_size`` entries: ``embedding_size``) cannot be shortened, so any value
+but their own length is refused with the body, before anything is computed.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import struct
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -41,6 +44,18 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] | None = None  # None: float, as OpenAI's default
     dimensions: int | None = None
     user: str | None = None
+
+
+def embedding_size(model_path: Path) -> int:
+    """The length of the model's vectors: they pool its final hidden states, of ``hidden_size`` entries."""
+    return int(json.loads((model_path / "config.json").read_text())["hidden_size"])
+
+
+def check_dimensions(req: EmbeddingRequest, size: int) -> None:
+    """Refuse a ``dimensions`` other than ``size``, the model's vectors' own length (they cannot be shortened)."""
+    if req.dimensions is not None and req.dimensions != size:
+        raise InvalidParameterError("dimensions", f"this model's embeddings have {size} dimensions and cannot "
+                                                  f"be shortened to {req.dimensions}; leave dimensions unset")
 
 
 def embedding_inputs(req: EmbeddingRequest) -> list[str | list[int]]:
@@ -78,11 +93,7 @@ def encode(vector: Vector, encoding_format: str | None) -> Vector | str:
 
 def embedding_response(req: EmbeddingRequest, model: str, vectors: list[Vector],
                        num_prompt_tokens: int) -> dict[str, object]:
-    """The OpenAI ``list`` object; refuses a ``dimensions`` other than the vectors' own length."""
-    size = len(vectors[0])
-    if req.dimensions is not None and req.dimensions != size:
-        raise InvalidParameterError("dimensions", f"this model's embeddings have {size} dimensions and cannot "
-                                                  f"be shortened to {req.dimensions}; leave dimensions unset")
+    """The OpenAI ``list`` object (``dimensions`` was checked with the body: ``check_dimensions``)."""
     data = [{"object": "embedding", "index": i, "embedding": encode(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": model,

@@ -27,7 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cluster.response_ids import PREVIOUS_RESPONSE_HEADER, RESPONSES_PATH, replica_tag
+from cluster.response_ids import (
+    PREVIOUS_RESPONSE_HEADER,
+    RESPONSES_ENDPOINT,
+    RESPONSES_PATH,
+    replica_tag,
+)
 
 PREFIX_HEADER = b"x-flotilla-prefix"
 SESSION_HEADER = b"x-flotilla-session"
@@ -104,7 +109,8 @@ def routing_key(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutingKey | 
 
 def response_owner(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
     """The replica tag of the stored response a pending HTTP request is about (``cluster.response_ids``):
-    the id in a ``/v1/responses/<id>`` path, else in ``X-Flotilla-Previous-Response``; None if neither."""
+    the id in a ``/v1/responses/<id>`` path, else, for ``POST /v1/responses`` only, in
+    ``X-Flotilla-Previous-Response``; None if neither."""
     return request_owner(RequestArg.of(args, kwargs))
 
 
@@ -128,8 +134,12 @@ def request_owner(arg: RequestArg) -> str | None:
     if arg.scope is None:
         return None
     path = arg.scope.get("path")
-    if isinstance(path, str) and RESPONSES_PATH in path:  # the app's route prefix may come first
+    if not isinstance(path, str):
+        return None
+    if RESPONSES_PATH in path:  # the app's route prefix may come first
         return replica_tag(path.rpartition(RESPONSES_PATH)[2])
+    if not path.rstrip("/").endswith(RESPONSES_ENDPOINT):  # the header pins Responses requests only
+        return None
     rid = arg.header(PREVIOUS_RESPONSE_HEADER.lower().encode())
     return None if rid is None else replica_tag(rid.decode("utf-8", errors="replace"))
 

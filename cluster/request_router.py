@@ -12,7 +12,7 @@ What the router reads from a pending request (a prompt, a session, an
 adapter, a stored response's id) is ``cluster.pending_requests``'s.
 
 A request about a stored response (``GET``/``DELETE /v1/responses/<id>``, or
-``X-Flotilla-Previous-Response: <id>``) goes first of all to the replica that
+``POST /v1/responses`` with ``X-Flotilla-Previous-Response: <id>``) goes first of all to the replica that
 holds it (``cluster.response_ids``), which alone can answer it.
 
 LoRA adapters come first: a request that names a model (``X-Flotilla-Model``,

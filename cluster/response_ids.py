@@ -6,7 +6,9 @@ the Serve replica's ``unique_id``: the router (``cluster.request_router``)
 sends ``GET``/``DELETE /v1/responses/<id>`` and any request carrying
 ``X-Flotilla-Previous-Response: <id>`` (the SDK sends it with
 ``previous_response_id``; a plain client may add it) to that replica while it
-is in the fleet. A request that reaches another replica anyway is refused,
+is in the fleet. The header pins ``POST /v1/responses`` only: on any other
+request it would let a client pin chat or completions traffic to one replica,
+past the router's load bound, with no stored response to reach. A request that reaches another replica anyway is refused,
 naming the replica that holds the id.
 """
 
@@ -16,7 +18,8 @@ import uuid
 
 RESPONSE_ID_PREFIX = "resp_"
 PREVIOUS_RESPONSE_HEADER = "X-Flotilla-Previous-Response"
-RESPONSES_PATH = "/v1/responses/"
+RESPONSES_ENDPOINT = "/v1/responses"  # POST: a new response (maybe continuing a stored one)
+RESPONSES_PATH = RESPONSES_ENDPOINT + "/"  # GET/DELETE of the stored response whose id follows
 _TAG_END = "-"  # ends a response id's replica tag (a Serve unique_id holds letters and digits only)
 
 

@@ -10,8 +10,10 @@ Decode replica: ``add_prefilled`` starts a request from a ``PrefillResult``:
 its first token goes through the request's own stop rule (it may end the
 request at once), and its prompt KV is written into fresh pages by the step
 that admits it (``scheduling.kv_handoff``). Every field of the payload is
-checked against this engine's pool first, so a mismatch is refused by name
-before any page is given. A decode replica with a separate draft model is
+checked against this engine's pool first, and the prefill engine's weight
+quantization against this engine's (KV computed by int8 weights differs from
+KV computed by bfloat16 ones, and would be cached here as if it were this
+model's), so a mismatch is refused by name before any page is given. A decode replica with a separate draft model is
 refused (``check_decode_drafting``): only the target's KV moves, so the draft
 model's own pool would hold nothing for the prompt.
 
@@ -31,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.executor import Executor
+from actors.engine.lora_registry import LoRARegistry
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from kvcache.kv_transfer import KVPayloadMismatchError, RankPayloads, check_layout
 from scheduling.batch import Batch, StepOutput, TokenLogprobs
@@ -46,6 +49,9 @@ if TYPE_CHECKING:  # only named in annotations: the offline engine runs without 
 
 # A ``PrefillResult``'s KV as it travels: the payloads, or on Ray an ``ObjectRef`` to them.
 RankPayloadsOrRef: TypeAlias = "RankPayloads | ObjectRef[RankPayloads]"
+# An engine's ``(quantization, quantization_group_size)``: with the model, what computed its KV.
+WeightQuantization: TypeAlias = tuple[str | None, int | None]
+WEIGHT_QUANTIZATION_FIELDS = ("quantization", "quantization_group_size")  # the EngineConfig fields of one
 
 
 class PDEngine(Protocol):
@@ -56,6 +62,7 @@ class PDEngine(Protocol):
     scheduler: Scheduler
     tokenizer: PreTrainedTokenizerBase
     eos_token_id: int | None
+    loras: LoRARegistry
     # Prefill-only requests' exported prompt KV, by request id, until the prefill's caller takes it.
     exported: dict[str, RankPayloads]
 
@@ -79,6 +86,13 @@ class PrefillResult:
     num_cached_tokens: int
     kv_bytes: int
     prefill_s: float  # queued + computed on the prefill replica, export included
+    quantization: WeightQuantization  # the prefill engine's (``weight_quantization``)
+
+
+def weight_quantization(config: EngineConfig) -> WeightQuantization:
+    """What of ``config`` besides the model decides the weights that compute its KV; both pools must agree."""
+    quantization, group_size = (getattr(config, name) for name in WEIGHT_QUANTIZATION_FIELDS)
+    return quantization, group_size
 
 
 def check_remote_prefill(params: SamplingParams) -> None:
@@ -126,10 +140,12 @@ def add_prefilled(
     check_decode_drafting(engine.config.speculative_config)
     kv = result.kv
     assert isinstance(kv, tuple), "fetch a ray ObjectRef's payloads before add_prefilled"
-    _check_kv(engine, kv, len(prompt_ids))
+    _check_kv(engine, kv, result.quantization, len(prompt_ids))
     rid = result.request_id
     stop = StopRule(params, engine.eos_token_id, IncrementalDetokenizer(engine.tokenizer, prompt_ids))
-    req = Request(rid, prompt_ids, params, namespace=namespace, stop_rule=stop, arrival_time=arrival_time)
+    lora_key = engine.loras.check(params)  # its adapter must be loaded here too; its KV is keyed by its weights
+    req = Request(rid, prompt_ids, params, namespace=namespace, stop_rule=stop, arrival_time=arrival_time,
+                  lora_key=lora_key)
     tokens, text, reason = req.append_output([result.first_token])
     req.first_scheduled_time = req.first_token_time = req.last_token_time = time.monotonic()
     req.num_cached_tokens = result.num_cached_tokens
@@ -162,7 +178,7 @@ def check_decode_drafting(speculative_config: SpeculativeConfig | dict[str, Any]
         )
 
 
-def _check_kv(engine: PDEngine, kv: RankPayloads, num_prompt_tokens: int) -> None:
+def _check_kv(engine: PDEngine, kv: RankPayloads, quantization: WeightQuantization, num_prompt_tokens: int) -> None:
     """Refuse KV this engine's pool cannot take here, before any page is given for it.
 
     Every field the runner checks as it writes (``kvcache.kv_transfer``) is
@@ -170,6 +186,13 @@ def _check_kv(engine: PDEngine, kv: RankPayloads, num_prompt_tokens: int) -> Non
     (with shards on Ray, the shard group) after pages were given for it.
     """
     config = engine.config
+    theirs, ours = quantization, weight_quantization(config)
+    if theirs != ours:
+        # Same layout, other numbers: KV from other weights fits the pool and would be cached as ours.
+        param = WEIGHT_QUANTIZATION_FIELDS[0] if theirs[0] != ours[0] else WEIGHT_QUANTIZATION_FIELDS[1]
+        raise InvalidParameterError(param, f"the KV was computed with weight quantization {theirs[0]!r} (group size "
+                                           f"{theirs[1]!r}), this engine runs {ours[0]!r} (group size {ours[1]!r}): "
+                                           f"both pools need the same {param}")
     if len(kv) != config.tensor_parallel_size:
         raise InvalidParameterError("tensor_parallel_size", f"the KV comes from {len(kv)} ranks, this engine has "
                                                             f"{config.tensor_parallel_size}: both pools need the same")

@@ -82,6 +82,9 @@ def _split(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
+GROUPED_MM_ALIGN = 16  # bytes: torch._grouped_mm's alignment of data pointers and row strides
+
+
 def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes ``a`` (N, K) and ``b`` (G, K, M) (it checks on every device).
 
@@ -91,12 +94,28 @@ def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """
     size = a.element_size()
     return (
-        a.shape[1] * size % 16 == 0
-        and b.shape[2] * size % 16 == 0
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
+        a.shape[1] * size % GROUPED_MM_ALIGN == 0
+        and b.shape[2] * size % GROUPED_MM_ALIGN == 0
+        and a.data_ptr() % GROUPED_MM_ALIGN == 0
+        and b.data_ptr() % GROUPED_MM_ALIGN == 0
         and a.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
+
+
+# Compute capability majors on which torch._grouped_mm has a device kernel (CUTLASS, bf16 only): sm90, sm100.
+GROUPED_MM_DEVICE_MAJORS = (9, 10)
+
+
+def grouped_mm_on_device(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether ``torch._grouped_mm`` runs its device kernel for weights of ``dtype`` on a GPU of ``capability``.
+
+    That kernel reads the group offsets on the device, so a CUDA graph can
+    capture it. Anywhere else (``capability`` None: not CUDA; other dtypes
+    or GPUs) it is a loop of one ``mm`` per group that first copies the
+    offsets to the host: a sync that a graph cannot hold (capture fails, or
+    a replay would reuse the captured step's group sizes).
+    """
+    return capability is not None and dtype == torch.bfloat16 and capability[0] in GROUPED_MM_DEVICE_MAJORS
 
 
 def grouped_linear(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -177,6 +196,26 @@ class SparseMoE(nn.Module):
         self.register_buffer("expert_tokens", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
         self.count_rows = None  # every row counts; a static-shape step's int64 row weights while it runs
         self._names = _QWEN_NAMES  # switched to Mixtral's once such a name is loaded (checkpoint_names)
+
+    def graph_refusal(self, capability: tuple[int, int] | None) -> str | None:
+        """Why this layer's forward cannot be captured in a CUDA graph on ``capability``; None: it can.
+
+        Both grouped products must take ``torch._grouped_mm``'s device kernel
+        (``grouped_mm_on_device``) at shapes it accepts (``_grouped_mm_fits``:
+        16-byte rows); otherwise ``grouped_linear`` syncs with the host.
+        """
+        dtype = self.w13.dtype
+        if not grouped_mm_on_device(dtype, capability):
+            where = "a CPU" if capability is None else f"sm{capability[0]}{capability[1]}"
+            return (f"this MoE model's grouped expert products run torch._grouped_mm's host-copying loop for "
+                    f"{str(dtype).removeprefix('torch.')} on {where} (its device kernel needs bfloat16 on sm90 or "
+                    f"sm100), which a CUDA graph cannot capture")
+        row_bytes = torch.empty((), dtype=dtype).element_size()
+        unaligned = [n for n in (self.hidden_size, self.local_intermediate) if n * row_bytes % GROUPED_MM_ALIGN]
+        if unaligned:
+            return (f"this MoE model's expert sizes {unaligned} (per shard) are not multiples of 16 bytes, so its "
+                    f"grouped expert products take a host-syncing loop, which a CUDA graph cannot capture")
+        return None
 
     # ---- loading -----------------------------------------------------------------------------
 

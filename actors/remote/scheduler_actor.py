@@ -29,6 +29,7 @@ from actors.engine.disaggregation import (
     RankPayloadsOrRef,
     add_prefilled,
     start_prefill,
+    weight_quantization,
 )
 from actors.engine.executor import EXPERT_TOKENS_TIMEOUT_S, Executor, LocalExecutor
 from actors.engine.llm_engine import LLMEngine
@@ -170,7 +171,8 @@ class SchedulerService:
         # On Ray: one copy into the object store here; the replicas between pass only the ref.
         moved: RankPayloadsOrRef = await asyncio.get_running_loop().run_in_executor(None, ray.put, kv) if ray.is_initialized() else kv
         return PrefillResult(request_id, seq.token_ids[0], first_logprobs, moved, len(prompt_ids),
-                             done.num_cached_tokens, nbytes, time.monotonic() - start)
+                             done.num_cached_tokens, nbytes, time.monotonic() - start,
+                             weight_quantization(self._engine.config))
 
     async def submit_prefilled(self, result: PrefillResult, prompt_ids: list[int], params: SamplingParams,
                                waited_s: float, *, consumer_id: str = "default") -> int:

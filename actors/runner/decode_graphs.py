@@ -20,7 +20,11 @@ Mixture-of-experts layers count each token's routing choices
 (``SparseMoE.expert_tokens``, the expert-load metrics); padding rows must not
 count, so ``real_rows`` (1 for the step's rows, 0 for padding, filled on the
 device each step) weighs them in every forward here, the captured ones
-included (a dense model has no such layer and skips the fill).
+included (a dense model has no such layer and skips the fill). Their grouped
+expert products are capturable only where ``torch._grouped_mm`` runs its
+device kernel (bfloat16 on sm90/sm100, 16-byte rows: ``moe_graphs_allowed``);
+elsewhere they sync with the host, so graphs asked for are refused by name and
+graphs that were only the default are left off.
 
 ``capture=False`` (the CPU, where there are no graphs) runs the model
 eagerly over exactly those buffers: the path a graph replays is then tested
@@ -44,6 +48,7 @@ from actors.log import get_logger
 from actors.models.moe import SparseMoE
 from kvcache.attention.backend import AttentionBackend, StepLayout
 from kvcache.device_copy import copy_from_host
+from scheduling.errors import InvalidParameterError
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
@@ -74,6 +79,25 @@ class StepForward(Protocol):
     """The model's forward over one step: hidden states (num_tokens, hidden) of its tokens."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor: ...
+
+
+def moe_graphs_allowed(moe_blocks: Sequence[SparseMoE], capability: tuple[int, int], *, asked: bool) -> bool:
+    """Whether decode steps may be captured on a GPU of ``capability`` with these MoE layers.
+
+    A layer whose grouped products sync with the host (``SparseMoE.graph_refusal``)
+    cannot be captured: where CUDA graphs were asked for (``cuda_graphs=True``)
+    that is refused naming ``cuda_graphs``; where they were only the default
+    (unset) the steps run eagerly instead (False), with a log line.
+    """
+    for block in moe_blocks:
+        refusal = block.graph_refusal(capability)
+        if refusal is None:
+            continue
+        if asked:
+            raise InvalidParameterError("cuda_graphs", f"{refusal}: set cuda_graphs to false or leave it unset")
+        logger.info("decode steps run without CUDA graphs: %s", refusal)
+        return False
+    return True
 
 
 class DecodeGraphs:

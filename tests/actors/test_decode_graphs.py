@@ -18,7 +18,13 @@ import torch
 
 from actors.config import EngineConfig
 from actors.load.embedded import ensure_embedded_model
-from actors.runner.decode_graphs import GRAPH_SIZE_STEP, DecodeGraphs, graph_batch_sizes
+from actors.models.moe import MoEArgs, SparseMoE, grouped_mm_on_device
+from actors.runner.decode_graphs import (
+    GRAPH_SIZE_STEP,
+    DecodeGraphs,
+    graph_batch_sizes,
+    moe_graphs_allowed,
+)
 from apps.llm import LLM
 from kvcache.attention.flashinfer import flashinfer_installed
 from kvcache.attention.torch_paged import TorchPagedAttention
@@ -70,6 +76,34 @@ def test_static_decode_needs_a_capable_backend_and_capture_needs_cuda() -> None:
                      device=torch.device("cpu"), capture=False)  # fmt: skip
     with pytest.raises(NotImplementedError):
         torch_backend.enable_static_decode([1], 2)
+
+
+@pytest.mark.parametrize(("dtype", "capability", "on_device"), [
+    (torch.bfloat16, (9, 0), True), (torch.bfloat16, (10, 0), True),
+    (torch.bfloat16, (8, 0), False), (torch.bfloat16, (12, 0), False), (torch.bfloat16, None, False),
+    (torch.float16, (9, 0), False), (torch.float32, (10, 0), False),
+])  # fmt: skip
+def test_grouped_mm_runs_its_capturable_device_kernel_only_for_bf16_on_sm90_and_sm100(
+        dtype: torch.dtype, capability: tuple[int, int] | None, on_device: bool) -> None:
+    assert grouped_mm_on_device(dtype, capability) is on_device
+
+
+def _moe(dtype: torch.dtype, hidden: int = 64, inter: int = 32) -> SparseMoE:
+    return SparseMoE(hidden, MoEArgs(num_experts=4, top_k=2, intermediate_size=inter, renormalize=True)).to(dtype)
+
+
+def test_moe_graphs_where_grouped_mm_would_sync_are_refused_by_name_or_left_off() -> None:
+    """Asked for (cuda_graphs=True): refused naming cuda_graphs; only the default: decode runs eagerly."""
+    assert moe_graphs_allowed([_moe(torch.bfloat16)], (9, 0), asked=True)
+    assert moe_graphs_allowed([], (8, 0), asked=True)  # a dense model captures anywhere
+    host_loops = [([_moe(torch.float16)], (9, 0), "host-copying loop for float16 on sm90"),
+                  ([_moe(torch.bfloat16)], (8, 6), "host-copying loop for bfloat16 on sm86"),
+                  ([_moe(torch.bfloat16, inter=36)], (10, 0), "expert sizes [36]")]  # 72-byte rows
+    for blocks, capability, words in host_loops:
+        with pytest.raises(InvalidParameterError) as err:
+            moe_graphs_allowed(blocks, capability, asked=True)
+        assert err.value.param == "cuda_graphs" and words in err.value.message, err.value.message
+        assert not moe_graphs_allowed(blocks, capability, asked=False)
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:

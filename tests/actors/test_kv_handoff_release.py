@@ -2,8 +2,9 @@
 
 A prefill cancelled while its KV is exported keeps no export; an import that
 fails in its step puts nothing into the prefix cache; a payload that does not
-fit the pool is refused by name before any page; a decode replica with a
-separate draft model is refused (its draft pool would never see the prompt).
+fit the pool, or that other weights computed (another weight quantization), is
+refused by name before any page; a decode replica with a separate draft model
+is refused (its draft pool would never see the prompt).
 """
 
 from __future__ import annotations
@@ -180,6 +181,26 @@ def test_a_payload_that_does_not_fit_the_pool_is_refused_by_field_before_any_pag
     for name, (param, words) in expected.items():
         got = refused[name]
         assert got is not None and got[0] == param and all(w in got[1] for w in words), (name, got)
+    assert stats.num_steps == 0  # nothing was admitted
+    assert_all_free(stats)
+
+
+def test_kv_from_a_pool_with_other_weight_quantization_is_refused_by_name_before_any_page(
+        config: EngineConfig) -> None:
+    """Its pages have the decode pool's layout, but other weights computed them: caching them would be wrong."""
+    async def scenario() -> tuple[InvalidParameterError, EngineStats]:
+        prefill, decode = SchedulerService(replace(config, quantization="int8")), SchedulerService(config)
+        try:
+            result = await prefill.prefill("q", PROMPT, GREEDY)
+            with pytest.raises(InvalidParameterError) as info:
+                await decode.submit_prefilled(result, PROMPT, GREEDY, 0.0, consumer_id="pd")
+            return info.value, await decode.stats()
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    err, stats = asyncio.run(scenario())
+    assert err.param == "quantization" and "'int8'" in err.message and "None" in err.message, err
     assert stats.num_steps == 0  # nothing was admitted
     assert_all_free(stats)
 

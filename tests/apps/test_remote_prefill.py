@@ -62,7 +62,7 @@ class Fake:
 
 
 def result(rid: str) -> PrefillResult:
-    return PrefillResult(rid, 7, None, (), 40, 0, 1234, 0.01)
+    return PrefillResult(rid, 7, None, (), 40, 0, 1234, 0.01, (None, None))
 
 
 def test_long_uncached_prompts_go_remote_and_others_stay() -> None:
@@ -151,6 +151,10 @@ def test_pd_arguments_are_checked_at_deploy_time(pd: Any, param: str) -> None:
     ({"page_size": 32}, {"page_size": 16 * 4}, "page_size", ("32", "64")),
     ({"page_size": 32}, {}, "page_size", ("32", "16")),  # the decode pool runs the default
     ({}, {"kv_cache_dtype": "int8"}, "kv_cache_dtype", ("'auto'", "'int8'")),
+    # The weights compute the KV: an int8 prefill pool's pages fit a bfloat16 decode pool but are not its KV.
+    ({"quantization": "int8"}, {}, "quantization", ("'int8'", "None")),
+    ({"quantization": "int4", "quantization_group_size": 32}, {"quantization": "int4"},
+     "quantization_group_size", ("32", "None")),
 ])
 def test_pools_that_would_store_kv_differently_are_refused_naming_both_values(
         prefill: dict[str, Any], decode: dict[str, Any], key: str, values: tuple[str, str]) -> None:

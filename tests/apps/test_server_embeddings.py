@@ -65,3 +65,16 @@ def test_bad_inputs_are_400s_naming_the_field(live: LiveServer, body: dict[str, 
     assert status == (404 if param == "model" else 400), reply
     assert reply["error"]["param"] == param, reply
     live.assert_pages_free()
+
+
+def test_a_wrong_dimensions_is_refused_before_anything_is_computed(live: LiveServer, tiny_llm: LLM) -> None:
+    """A 400 naming ``dimensions`` with no engine step run for it; the vectors' own length is accepted."""
+    size = len(tiny_llm.embed(["x"], use_tqdm=False)[0])
+    steps = live.stats().num_steps
+    status, reply = http(f"{live.url}/v1/embeddings", {"input": ["x", "y"], "dimensions": size - 1})
+    assert status == 400 and reply["error"]["param"] == "dimensions", reply
+    assert str(size) in reply["error"]["message"], reply
+    assert live.stats().num_steps == steps  # refused with the body: the engine never ran the inputs
+    status, reply = http(f"{live.url}/v1/embeddings", {"input": "x", "dimensions": size, "encoding_format": "float"})
+    assert status == 200 and len(reply["data"][0]["embedding"]) == size, reply
+    live.assert_pages_free()

@@ -85,7 +85,8 @@ class PrefillPool:
     def __init__(self) -> None:
         now = asyncio.Event()
         now.set()
-        self.prefill = Method(lambda rid, ids, params: Ref(now, PrefillResult(rid, 7, None, (), len(ids), 0, 0, 0.0)))
+        self.prefill = Method(
+            lambda rid, ids, params: Ref(now, PrefillResult(rid, 7, None, (), len(ids), 0, 0, 0.0, (None, None))))
 
 
 class Fanout:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from apps.builder import build_app
+from apps.disaggregation import POOLS, REMOTE_OPTIONS
 from cli.main import build_parser
-from cli.serve import app_args
+from cli.serve import PD_KEYS, app_args
 from scheduling.errors import InvalidParameterError
 
 
@@ -95,6 +96,18 @@ def test_pd_reaches_the_app_as_two_pools() -> None:
     assert err.value.param == "pd"
 
 
+def test_every_pd_option_of_the_app_reaches_it_from_the_command_line() -> None:
+    """``--pd`` takes what ``pd`` takes in serve.yaml: both pools and each decode-replica option, by value."""
+    assert set(PD_KEYS) == {*POOLS, *REMOTE_OPTIONS}
+    args = _args("--model", "tiny", "--pd", '{"prefill": {}, "decode": {}, "remote_prefill_timeout_s": 5, '
+                                             '"remote_prefill_min_tokens": 64}')
+    kwargs = build_app(args)._bound_deployment.init_kwargs  # the decode replicas' LLMServer keywords
+    assert (kwargs["remote_prefill_timeout_s"], kwargs["remote_prefill_min_tokens"]) == (5, 64)
+    with pytest.raises(InvalidParameterError) as err:  # checked before Ray starts, by name
+        build_app(_args("--model", "tiny", "--pd", '{"prefill": {}, "decode": {}, "remote_prefill_timeout_s": 0}'))
+    assert err.value.param == "remote_prefill_timeout_s"
+
+
 def test_lora_flags_reach_the_app(tmp_path: Path) -> None:
     args = _args("--model", "tiny", "--lora-modules", f"a={tmp_path}/a", "b=/x/b", "--max-loras", "2",
                  "--max-lora-rank", "32")  # fmt: skip
@@ -143,3 +156,17 @@ def test_embedding_pooling_reaches_the_engine_config_only_when_asked() -> None:
     with pytest.raises(InvalidParameterError) as err:  # and the engine config one given another way
         build_app({**plain, "embedding_pooling": "max"})
     assert err.value.param == "embedding_pooling"
+
+
+def test_runtime_lora_updates_are_asked_for_and_relative_folders_are_the_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = _args("--model", "tiny", "--lora-modules", "a=./a/", "--runtime-lora-updates")
+    assert args["lora_modules"] == {"a": f"{tmp_path}/a"} and args["runtime_lora_updates"] is True
+    kwargs = build_app(args)._bound_deployment.init_kwargs
+    assert kwargs["runtime_lora_updates"] is True
+    assert "runtime_lora_updates" not in _args("--model", "tiny")  # off unless asked for
+    with pytest.raises(InvalidParameterError) as err:
+        build_app({**_args("--model", "tiny", "--runtime-lora-updates"), "enable_lora": False})
+    assert err.value.param == "runtime_lora_updates"

@@ -32,8 +32,8 @@ DOC = "You are a ship's navigator. " * 8  # > 64 chars: long enough to count as 
 class Scope:
     """Stands in for Serve's StreamingHTTPRequest: only ``asgi_scope`` is read."""
 
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
-        self.asgi_scope = {"type": "http", "path": "/v1/completions", "headers": headers}
+    def __init__(self, headers: list[tuple[bytes, bytes]], path: str = "/v1/completions") -> None:
+        self.asgi_scope = {"type": "http", "path": path, "headers": headers}
 
 
 def test_routing_key_from_http_headers_pickled_like_the_proxy_sends_them() -> None:
@@ -255,7 +255,8 @@ def test_an_app_serving_adapters_tells_the_router_its_base_model() -> None:
 
 
 def test_requests_about_a_stored_response_go_to_the_replica_that_holds_it() -> None:
-    """GET/DELETE /v1/responses/<id> by path, a continuation by X-Flotilla-Previous-Response, even when loaded."""
+    """GET/DELETE /v1/responses/<id> by path, a continuation by X-Flotilla-Previous-Response, even when loaded;
+    the header on any other request pins nothing (it would route past the load bound)."""
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
     from ray.serve._private.request_router.common import PendingRequest
 
@@ -264,8 +265,13 @@ def test_requests_about_a_stored_response_go_to_the_replica_that_holds_it() -> N
     assert response_owner([pickle.dumps(by_path)], {}) == "b"
     by_path.asgi_scope["path"] = f"/app/v1/responses/{rid}"  # under an app's route prefix
     assert response_owner([pickle.dumps(by_path)], {}) == "b"
-    assert response_owner([pickle.dumps(Scope([(b"X-Flotilla-Previous-Response", rid.encode())]))], {}) == "b"
-    assert response_owner([pickle.dumps(Scope([(b"x-flotilla-previous-response", b"resp_plain")]))], {}) is None
+    header = [(b"X-Flotilla-Previous-Response", rid.encode())]
+    assert response_owner([pickle.dumps(Scope(header, "/v1/responses"))], {}) == "b"
+    assert response_owner([pickle.dumps(Scope(header, "/app/v1/responses"))], {}) == "b"
+    for other in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):  # the header pins Responses only
+        assert response_owner([pickle.dumps(Scope(header, other))], {}) is None, other
+    plain = [(b"x-flotilla-previous-response", b"resp_plain")]
+    assert response_owner([pickle.dumps(Scope(plain, "/v1/responses"))], {}) is None
     assert response_owner([pickle.dumps(Scope([]))], {}) is None and response_owner([{"prompt": "x"}], {}) is None
 
     async def scenario() -> None:
@@ -275,11 +281,12 @@ def test_requests_about_a_stored_response_go_to_the_replica_that_holds_it() -> N
         replicas = [_replica(n, dep, {"num_open": load}) for n, load in (("a", 0), ("b", 50), ("c", 1))]
         meta = SimpleNamespace(internal_request_id="r", multiplexed_model_id="")
         headers = [(b"x-flotilla-previous-response", rid.encode())]
-        ranks = await router.choose_replicas(replicas, PendingRequest(args=[pickle.dumps(Scope(headers))],
-                                                                      kwargs={}, metadata=meta))
+        continuation = PendingRequest(args=[pickle.dumps(Scope(headers, "/v1/responses"))], kwargs={}, metadata=meta)
+        ranks = await router.choose_replicas(replicas, continuation)
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b"], ["a", "c"]]
-        gone = await router.choose_replicas([replicas[0], replicas[2]], PendingRequest(
-            args=[pickle.dumps(Scope(headers))], kwargs={}, metadata=meta))
+        chat = PendingRequest(args=[pickle.dumps(Scope(headers, "/v1/chat/completions"))], kwargs={}, metadata=meta)
+        assert (await router.choose_replicas(replicas, chat))[0][0].replica_id.unique_id != "b"  # not pinned
+        gone = await router.choose_replicas([replicas[0], replicas[2]], continuation)
         assert gone[0][0].replica_id.unique_id == "a"  # its replica left: anywhere (it answers 404)
 
     asyncio.run(scenario())

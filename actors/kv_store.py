@@ -2,11 +2,15 @@
 
 ``KVStoreActor`` keeps encoded blocks (``kvcache.kv_blocks``) in its own
 memory, LRU within its bound, and a log of the keys it added and dropped.
-There is one per node, named ``flotilla-kv-store-<node id>`` in the
-``flotilla`` namespace and detached (it outlives the replica that started it,
-so a replica that autoscaling adds later finds it warm; it ends with the
-cluster). The engine of each replica writes its blocks to its own node's
-store and reads from every node's (``RayBlockStore``, the ``BlockStore`` of
+There is one per node, Serve app and model, named
+``flotilla-kv-store-<app>/<model digest>/<node id>`` in the ``flotilla``
+namespace (``<app>`` is ``-`` for engines outside Serve) and detached (it
+outlives the replica that started it, so a replica that autoscaling adds
+later finds it warm; it ends with the cluster, or when ``drop_stores``
+(``flotilla kv drop --app NAME``) ends it). An app's bound is its own: another
+app, or another model, never evicts its blocks. The engine of each replica
+writes its blocks to its own node's store and reads from every node's of
+its app and model (``RayBlockStore``, the ``BlockStore`` of
 ``kvcache.kv_tiers``).
 
 The index: each client mirrors which keys every store holds, following the
@@ -30,11 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import ray
@@ -43,11 +49,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.log import get_logger
 from kvcache.kv_blocks import BlockBytes, BlockKey
+from kvcache.kv_tiers import StoreState
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
 NAMESPACE = "flotilla"
 NAME_PREFIX = "flotilla-kv-store-"
+NO_APP = "-"  # the app part of the name of an engine outside Serve (offline ``LLM``)
 REFRESH_S = 10.0  # how often a client looks for stores on nodes it has not seen yet
 INDEX_POLL_S = 2.0  # the longest a store holds a client's index long-poll with no news
 INDEX_MIN_INTERVAL_S = 0.2  # between two polls: a busy store's news is read at most five times a second
@@ -85,8 +93,10 @@ class KVStoreActor:
             out.append(data)
         return out
 
-    async def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
+    async def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> StoreState:
+        """Keep ``items`` (LRU within ``max_bytes``); returns the bytes taken and what is held after."""
         before = len(self._log)
+        added = 0
         for key, data in items:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
@@ -101,6 +111,7 @@ class KVStoreActor:
             # Ray may free once this call returns.
             self._blocks[key] = np.array(data, copy=True)
             self._bytes += data.nbytes
+            added += data.nbytes
             self._log.append((True, key))
         if len(self._log) > 2 * len(self._blocks) + 1024:  # compact: late readers get the whole set
             self._log_start += len(self._log)
@@ -108,6 +119,7 @@ class KVStoreActor:
         if len(self._log) != before:
             self._changed.set()
             self._changed = asyncio.Event()
+        return StoreState(added, len(self._blocks), self._bytes)
 
     async def index_since(self, incarnation: str, version: int, wait_s: float = 0.0) -> IndexUpdate:
         """What changed since ``version`` of ``incarnation`` (waiting up to ``wait_s`` for news); the whole
@@ -125,17 +137,44 @@ class KVStoreActor:
         return {"blocks": len(self._blocks), "bytes": self._bytes, "max_bytes": self.max_bytes}
 
 
-def store_name(node_id: str) -> str:
-    return f"{NAME_PREFIX}{node_id}"
+def store_scope(app: str | None, model_id: str) -> str:
+    """The name prefix of the stores of ``app``'s engines of the model ``model_id`` (one per node)."""
+    digest = hashlib.sha256(model_id.encode()).hexdigest()[:12]
+    return f"{NAME_PREFIX}{app or NO_APP}/{digest}/"
 
 
-def local_store(max_bytes: int) -> ActorHandle:
-    """This node's store, started if there is none (pinned to the node, detached)."""
+def store_name(scope: str, node_id: str) -> str:
+    return f"{scope}{node_id}"
+
+
+def app_of(name: str) -> str | None:
+    """The app part of a store's actor name (None: not a store's name)."""
+    if not name.startswith(NAME_PREFIX):
+        return None
+    parts = name[len(NAME_PREFIX) :].rsplit("/", 2)  # an app's name may hold "/"; digest and node id do not
+    return parts[0] if len(parts) == 3 else None
+
+
+def local_store(scope: str, max_bytes: int) -> ActorHandle:
+    """This node's store of ``scope``, started if there is none (pinned to the node, detached)."""
     node_id = ray.get_runtime_context().get_node_id()
     return KVStoreActor.options(  # type: ignore[attr-defined]  # ray.remote class
-        name=store_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        name=store_name(scope, node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(max_bytes)  # fmt: skip
+
+
+def drop_stores(app: str | None) -> list[str]:
+    """End every node's store of ``app`` (``None``: of engines outside Serve), whatever its model; their
+    blocks are gone. Returns the names of the stores ended. Replicas still running start empty ones anew."""
+    dropped = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] == NAMESPACE and app_of(name) == (app or NO_APP):
+            with contextlib.suppress(ValueError):  # gone since listed
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                dropped.append(name)
+    return dropped
 
 
 class _Mirror:
@@ -159,12 +198,18 @@ class _Mirror:
 
 
 class RayBlockStore:
-    """``BlockStore`` over every node's ``KVStoreActor``: writes go to this node's, reads to the one holding
-    the longest run, found in this client's mirror of their indexes."""
+    """``BlockStore`` over every node's ``KVStoreActor`` of one app and model (``scope``, ``store_scope``):
+    writes go to this node's, reads to the one holding the longest run, found in this client's mirror of
+    their indexes.
 
-    def __init__(self, max_bytes: int, timeout_s: float) -> None:
+    Ray lookups (listing the stores, finding or starting one) run outside ``_lock``: they have no timeout,
+    and the load thread must not wait behind one another thread started (its wait is ``load_wait_s``).
+    """
+
+    def __init__(self, scope: str, max_bytes: int, timeout_s: float) -> None:
         if not ray.is_initialized():
             raise RuntimeError("kv_offload.cluster needs Ray: start the engine inside a Ray cluster")
+        self.scope = scope
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self._local: ActorHandle | None = None
@@ -211,16 +256,17 @@ class RayBlockStore:
             self._forget()
             raise
 
-    def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> None:
+    def put(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> StoreState:
         store = self._local_store()
         try:
-            ray.get(store.put.remote(list(items)), timeout=max(self.timeout_s, 5.0))
+            state = cast(StoreState, ray.get(store.put.remote(list(items)), timeout=max(self.timeout_s, 5.0)))
         except Exception:
             self._forget()
             raise
-        mirror = self._mirrors.get(store_name(ray.get_runtime_context().get_node_id()))
+        mirror = self._mirrors.get(self._local_name())
         if mirror is not None:  # its own writes are visible to it at once
             mirror.keys.update(key for key, _ in items)
+        return state
 
     def refresh_index(self, wait_s: float = 0.0) -> None:
         """Follow every store's log once, waiting up to ``wait_s`` for news (the index thread's long-poll)."""
@@ -256,29 +302,36 @@ class RayBlockStore:
                 failing = False
                 self._closed.wait(INDEX_MIN_INTERVAL_S)
 
+    def _local_name(self) -> str:
+        return store_name(self.scope, ray.get_runtime_context().get_node_id())
+
     def _local_store(self) -> ActorHandle:
-        with self._lock:
-            if self._local is None:
-                self._local = local_store(self.max_bytes)
-            return self._local
+        local = self._local
+        if local is None:
+            # Found or started outside the lock (two threads may both look: get_if_exists gives one actor).
+            local = local_store(self.scope, self.max_bytes)
+            with self._lock:
+                self._local = local
+        return local
 
     def _all(self) -> dict[str, ActorHandle]:
         now = time.monotonic()
-        if self._stores and now - self._refreshed <= REFRESH_S:
-            return self._stores
-        local = self._local_store()
+        stores = self._stores
+        if stores and now - self._refreshed <= REFRESH_S:
+            return stores
+        # Looked up outside the lock (these calls have no timeout); the lock guards only the swap.
+        stores = {self._local_name(): self._local_store()}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if entry["namespace"] == NAMESPACE and name.startswith(self.scope) and name not in stores:
+                try:
+                    stores[name] = ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:  # gone since listed
+                    continue
         with self._lock:
             self._refreshed = now
-            stores = {store_name(ray.get_runtime_context().get_node_id()): local}
-            for entry in ray.util.list_named_actors(all_namespaces=True):
-                name = entry["name"]
-                if entry["namespace"] == NAMESPACE and name.startswith(NAME_PREFIX) and name not in stores:
-                    try:
-                        stores[name] = ray.get_actor(name, namespace=NAMESPACE)
-                    except ValueError:  # gone since listed
-                        continue
             self._stores = stores
-            return stores
+        return stores
 
     def _forget(self) -> None:
         # A store failed: look them up again (restarting the local one) on the next call, and trust no

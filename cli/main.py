@@ -27,6 +27,8 @@
                                       this machine's step-time model of a model, for simulate (JSON)
   flotilla simulate --trace T (--profile P | --gpu G --model M) [--config C] [--png F]
                                       a fleet in simulated time: real scheduler, router, autoscaler (JSON, PNG)
+  flotilla kv drop --app NAME [--address ADDR]
+                                      end an app's cluster KV stores and their blocks (JSON)
   flotilla bench moe [--json]
                                       a MoE model against a dense one of the same active parameters, batch 32 (JSON)
 
@@ -43,6 +45,7 @@ import sys
 from collections.abc import Sequence
 
 from cli.bench.registry import BENCHES
+from cli.kv import add_kv_parser
 from cli.plan.cli import add_plan_parser
 from cli.serve import add_serve_parser
 from cli.simulate import add_simulate_parser
@@ -52,6 +55,7 @@ from scheduling.errors import InvalidParameterError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flotilla", description="Elastic LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_kv_parser(sub)
     add_plan_parser(sub)
     add_serve_parser(sub)
     add_simulate_parser(sub)

@@ -25,6 +25,14 @@ class KVOffloadConfig:
     it are admitted meanwhile); past it, it computes its prefix instead (a
     step never waits for a load). Two seconds by default: on a busy CPU a
     long prompt's prefill takes longer than its load; lower it on GPUs.
+    ``save_queue_bytes``: the most bytes of copied-out pages waiting for the
+    tiers to file them; a step's pages beyond it are dropped unsaved and
+    counted (``dropped_saves``), so a slow disk or store never blocks a step
+    nor grows the process without bound (one step copies out up to 256 pages,
+    about 512 MiB on an 8B model). 1 GiB by default. ``cluster_app``: whose
+    cluster stores the engine uses (one per node, app and model; a Serve
+    replica sets its app's name; None: engines outside Serve share theirs),
+    so ``flotilla kv drop --app NAME`` drops one app's blocks.
     """
 
     host_bytes: int = 0
@@ -33,9 +41,11 @@ class KVOffloadConfig:
     cluster: bool = False
     cluster_bytes: int = GiB
     load_wait_s: float = 2.0
+    save_queue_bytes: int = GiB
+    cluster_app: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("host_bytes", "disk_bytes", "cluster_bytes"):
+        for name in ("host_bytes", "disk_bytes", "cluster_bytes", "save_queue_bytes"):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():  # JSON's 2e9
                 value = int(value)
@@ -51,6 +61,8 @@ class KVOffloadConfig:
             raise CacheConfigError("kv_offload", f"disk_path must be a folder path, got {self.disk_path!r}")
         if self.disk_path is not None and not self.disk_bytes:
             raise CacheConfigError("kv_offload", "disk_path is set but disk_bytes is 0: give the disk tier a size")
+        if self.cluster_app is not None and (not isinstance(self.cluster_app, str) or not self.cluster_app):
+            raise CacheConfigError("kv_offload", f"cluster_app must be an app's name, got {self.cluster_app!r}")
         if self.cluster and not self.cluster_bytes:
             raise CacheConfigError("kv_offload", "cluster is on but cluster_bytes is 0")
         if not (self.host_bytes or self.disk_bytes or self.cluster):

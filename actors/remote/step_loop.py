@@ -2,7 +2,8 @@
 
 A background asyncio task runs engine steps while there is work and
 otherwise awaits an ``asyncio.Event`` that ``wake`` sets (the service calls it
-on each submit). Each step is ``engine.schedule()`` -> ``engine.execute(batch)``
+on each submit), or, while requests wait for KV tier loads, until the first
+one's ``load_wait_s`` runs out. Each step is ``engine.schedule()`` -> ``engine.execute(batch)``
 on one dedicated thread -> ``engine.finish_step()``, so the service's other
 calls are served while the model runs.
 
@@ -106,6 +107,7 @@ class StepLoop:
         if self._restart_reason is not None:
             await self._restart(loop)
             return
+        wait_s: float | None = None
         async with self.lock:
             self._before_step()
             if not self.engine.can_schedule:
@@ -124,8 +126,12 @@ class StepLoop:
                     return
             if batch is None:
                 self._wake.clear()
+                # Requests waiting for KV tier loads: woken when one ends, or when the first one's
+                # load_wait_s runs out (a load that never ends must not hold its request for ever).
+                wait_s = None if self.engine.offload is None else self.engine.offload.seconds_to_deadline()
         if batch is None:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait_s)
             return
         # The forward runs without the lock: submit/abort stay served meanwhile.
         result: StepOutput | Exception

@@ -4,15 +4,26 @@ the same tokens and every page free."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
+from actors.config import EngineConfig
+from actors.engine import kv_offload
+from actors.engine.kv_offload import scoped_to_app
 from actors.engine.llm_engine import LLMEngine
+from actors.engine.outputs import SequenceDelta
+from actors.kv_store import app_of, store_name, store_scope
+from actors.remote.step_loop import StepLoop
 from apps.llm import LLM
+from kvcache.errors import CacheConfigError
 from kvcache.kv_tiers import DiskTier
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
@@ -23,6 +34,8 @@ ENGINE: dict[str, Any] = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batc
 # Shared 40-token heads (several full pages of 16), then per-prompt tails: chunked prefills.
 PROMPTS = [[7 + (j * 5) % 190 for j in range(40)] + [9 + (i * 11 + j * 3) % 180 for j in range(20 + 17 * i)]
            for i in range(4)]  # fmt: skip
+# One page's KV in the test model: 2 layers' k and v, 16 tokens of 2 heads of 16 floats.
+PAGE_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -149,7 +162,7 @@ def test_a_full_disk_ends_in_recompute(
     tokens, cached = _cached(llm, PROMPTS)
     assert tokens == reference and cached == [0] * len(PROMPTS)
     disk = _tier(llm.engine, "disk")
-    assert disk["errors"] > 0 and disk["bytes"] == 0 and not list(folder.iterdir())
+    assert disk["errors"] > 0 and disk["bytes"] == 0 and [f.name for f in folder.iterdir()] == [DiskTier.LOCK]
     _assert_all_free(llm.engine)
     llm.shutdown()
 
@@ -176,8 +189,8 @@ def test_blocks_of_another_dtype_or_model_are_never_used(
     keys = offload_engine.keys_for(None, PROMPTS[0])
     for key, src in zip(keys, foreign, strict=False):
         (folder / f"{key.hex()}.kvb").write_bytes(src.read_bytes())
+    llm.shutdown()  # one engine per folder
     llm2 = LLM(model=str(model_dir), kv_offload=offload, **ENGINE)  # indexes the folder as it is now
-    llm.shutdown()
     tokens, cached = _cached(llm2, PROMPTS)
     assert tokens == reference and cached == [0] * len(PROMPTS)
     assert _tier(llm2.engine, "disk")["errors"] >= 1
@@ -198,3 +211,104 @@ def test_the_cluster_tier_outside_ray_is_refused(model_dir: Path, monkeypatch: p
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="kv_offload.cluster needs Ray"):
         LLM(model=str(model_dir), kv_offload={"cluster": True}, **ENGINE)
+
+
+def test_pending_saves_are_bounded_by_bytes(model_dir: Path, reference: list[list[int]]) -> None:
+    """With the saver stuck (a slow disk or store), the pages handed over wait within ``save_queue_bytes``; the
+    rest are dropped and counted, the steps go on, and once the saver runs it files only what was kept."""
+    llm = LLM(model=str(model_dir), kv_offload={"host_bytes": 1 << 24, "save_queue_bytes": 3 * PAGE_BYTES}, **ENGINE)
+    offload = llm.engine.offload
+    assert offload is not None
+    layout = llm.engine.executor.kv_layout
+    assert 2 * layout.num_layers * layout.page_size * layout.num_kv_heads * layout.head_dim * 4 == PAGE_BYTES
+    gate = threading.Event()
+    offload._saver.submit(lambda: gate.wait(60))  # the saver is busy until the gate opens
+    assert _generate(llm, PROMPTS) == reference  # never blocked by the stuck saver
+    assert offload.dropped_saves > 0
+    assert offload._pending_bytes <= 3 * PAGE_BYTES
+    gate.set()
+    offload.wait_for_saves()
+    assert offload._pending_bytes == 0
+    assert 0 < _tier(llm.engine, "host")["blocks"] <= 3
+    _assert_all_free(llm.engine)
+    llm.shutdown()
+
+
+def test_an_engine_folder_is_its_own_and_crashed_ones_are_swept(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second engine on a given folder is refused by name; an engine's default folder sweeps the folders of
+    engines that crashed (their locks are free) and is gone once it stops."""
+    folder = tmp_path / "blocks"
+    given = {"disk_bytes": 1 << 24, "disk_path": str(folder)}
+    first = LLM(model=str(model_dir), kv_offload=given, **ENGINE)
+    with pytest.raises(CacheConfigError, match="is in use by another engine") as info:
+        LLM(model=str(model_dir), kv_offload=given, **ENGINE)
+    assert info.value.param == "kv_offload"
+    first.shutdown()
+
+    monkeypatch.setattr(kv_offload, "cache_dir", lambda: tmp_path / "cache")
+    crashed = tmp_path / "cache" / "kv_blocks" / "0123456789ab"
+    crashed.mkdir(parents=True)
+    (crashed / DiskTier.LOCK).touch()
+    (crashed / "ab.kvb").write_bytes(b"a crashed replica's block")
+    llm = LLM(model=str(model_dir), kv_offload={"disk_bytes": 1 << 24}, **ENGINE)
+    assert llm.engine.offload is not None
+    own = llm.engine.offload._own_disk
+    assert own is not None and not crashed.exists()
+    assert list((tmp_path / "cache" / "kv_blocks").iterdir()) == [own]
+    llm.shutdown()
+    assert not own.exists()
+
+
+def test_an_idle_loop_releases_a_load_that_never_ends(model_dir: Path, reference: list[list[int]]) -> None:
+    """On an idle replica (the step loop asleep, nothing else to run) a load that never answers holds its
+    request no longer than ``load_wait_s``: it then computes its prefix, with the same tokens."""
+    llm = LLM(model=str(model_dir), kv_offload={"host_bytes": 1 << 24, "load_wait_s": 0.2}, **ENGINE)
+    engine, offload = llm.engine, llm.engine.offload
+    assert offload is not None
+    assert _generate(llm, PROMPTS[:1]) == reference[:1]
+    offload.wait_for_saves()
+    _evict_all(engine)
+    gate = threading.Event()
+    real_fetch = offload.tiers.fetch
+    offload.tiers.fetch = lambda keys: (gate.wait(60), real_fetch(keys))[1]  # type: ignore[method-assign]
+    deltas: list[SequenceDelta] = []
+
+    async def serve_one() -> None:
+        with ThreadPoolExecutor(1) as thread:
+            loop = StepLoop(engine, thread, deltas.extend, lambda: None)
+            loop.start()
+            async with loop.lock:
+                engine.add_request("r", PROMPTS[0], GREEDY)
+            loop.wake()
+            deadline = time.monotonic() + 20.0  # a load held to 60 s would pass it
+            delay = 0.01
+            while not any(d.finish_reason for d in deltas) and time.monotonic() < deadline:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+            loop.stop()
+            loop.wake()
+            await loop.wait_stopped(10.0)
+
+    try:
+        asyncio.run(serve_one())
+    finally:
+        gate.set()
+    assert [t for d in deltas for t in d.token_ids] == reference[0]
+    assert offload.load_timeouts == 1
+    _assert_all_free(engine)
+    llm.shutdown()
+
+
+def test_a_serve_replica_scopes_the_cluster_tier_to_its_app() -> None:
+    """``LLMServer`` and ``PrefillServer`` pass their app's name: the stores are that app's (``flotilla kv drop``)."""
+    cluster = EngineConfig.from_kwargs(model="tiny", kv_offload={"cluster": True})
+    offload = scoped_to_app(cluster, "chat").kv_offload
+    assert offload is not None and offload.cluster_app == "chat"
+    named = EngineConfig.from_kwargs(model="tiny", kv_offload={"cluster": True, "cluster_app": "mine"})
+    assert scoped_to_app(named, "chat") == named  # the user's choice stands
+    host = EngineConfig.from_kwargs(model="tiny", kv_offload={"host_bytes": 1})
+    assert scoped_to_app(host, "chat") == host  # no cluster tier: nothing to scope
+    assert store_scope("chat", "m") != store_scope("chat", "m2") != store_scope("other", "m2")
+    assert app_of(store_name(store_scope("a/b", "m"), "node")) == "a/b"

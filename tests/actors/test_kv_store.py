@@ -4,12 +4,21 @@ next save starts a fresh store."""
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 
+import numpy as np
+import pytest
 import ray
+from ray.actor import ActorHandle
 
-from actors.kv_store import NAMESPACE, store_name
+from actors.engine.llm_engine import LLMEngine
+from actors.kv_store import NAMESPACE, RayBlockStore, app_of, store_scope
 from apps.llm import LLM
+from cli.main import main
+from kvcache.kv_blocks import KEY_BYTES
+from kvcache.kv_tiers import StoreState
 from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.test_kv_offload import (
     ENGINE,
@@ -24,9 +33,14 @@ from tests.actors.test_kv_offload import (
 CLUSTER = {"cluster": True, "load_wait_s": 30.0}  # a busy CI box: a load never times out into a recompute here
 
 
-def _store_stats() -> dict[str, int]:
-    store = ray.get_actor(store_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
-    return ray.get(store.stats.remote(), timeout=60)
+def _store(engine: LLMEngine) -> ActorHandle:
+    """This node's store of ``engine``'s app and model."""
+    assert engine.offload is not None and engine.offload._store is not None
+    return ray.get_actor(engine.offload._store._local_name(), namespace=NAMESPACE)
+
+
+def _store_stats(engine: LLMEngine) -> dict[str, int]:
+    return ray.get(_store(engine).stats.remote(), timeout=60)
 
 
 def test_engines_share_blocks_through_the_cluster_store(ray_cluster: None, tmp_path: Path) -> None:
@@ -37,9 +51,13 @@ def test_engines_share_blocks_through_the_cluster_store(ray_cluster: None, tmp_p
     assert _generate(first, PROMPTS) == reference
     assert first.engine.offload is not None
     first.engine.offload.wait_for_saves()
-    held = _store_stats()
+    held = _store_stats(first.engine)
     assert held["blocks"] > 0 and held["bytes"] <= held["max_bytes"]
-    assert _tier(first.engine, "cluster")["errors"] == 0
+    cluster = _tier(first.engine, "cluster")
+    assert cluster["errors"] == 0
+    # What the tier reports holding is what the store holds (it alone wrote there), and it wrote every byte.
+    assert (cluster["blocks"], cluster["bytes"], cluster["bytes_written"]) == (held["blocks"], held["bytes"],
+                                                                                held["bytes"])  # fmt: skip
     first.shutdown()
 
     # A new engine (a replica autoscaling just added) starts warm.
@@ -51,8 +69,7 @@ def test_engines_share_blocks_through_the_cluster_store(ray_cluster: None, tmp_p
     _assert_all_free(second.engine)
 
     # The store dies under it: the engine recomputes, same tokens, every page free, the fault counted.
-    store = ray.get_actor(store_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
-    ray.kill(store, no_restart=True)
+    ray.kill(_store(second.engine), no_restart=True)
     _evict_all(second.engine)
     hits_before = _tier(second.engine, "cluster")["hits"]
     tokens, cached = _cached(second, PROMPTS)
@@ -86,3 +103,60 @@ def test_two_shards_save_and_load_their_own_heads(ray_cluster: None, tmp_path: P
     assert tokens == reference and cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
     _assert_all_free(llm.engine)
     llm.shutdown()
+
+
+def _stores_of(app: str) -> list[str]:
+    return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == NAMESPACE and app_of(e["name"]) == app]  # fmt: skip
+
+
+def test_stores_are_per_app_and_model_and_dropped_by_app(ray_cluster: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another app, or another model of the same app, neither sees nor evicts an app's blocks; ``flotilla kv
+    drop --app`` ends that app's stores only. A put reports what the store took and holds."""
+    a, b, a2 = (RayBlockStore(store_scope(app, model), 1 << 20, 5.0)
+                for app, model in (("app-a", "m1"), ("app-b", "m1"), ("app-a", "m2")))  # fmt: skip
+    key, data = b"k" * KEY_BYTES, np.arange(100, dtype=np.uint8)
+    assert a.put([(key, data)]) == StoreState(100, 1, 100)
+    assert a.put([(key, data)]) == StoreState(0, 1, 100)  # held already: nothing taken
+    for other in (b, a2):
+        other.refresh_index()
+        assert not other.holds(key) and other.fetch([key]) == []
+    a.refresh_index()
+    assert a.holds(key) and len(a.fetch([key])) == 1
+    assert len(_stores_of("app-a")) == 2 and len(_stores_of("app-b")) == 1
+    assert main(["kv", "drop", "--app", "app-a"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["dropped"]) == sorted([a._local_name(), a2._local_name()])
+    assert _stores_of("app-a") == [] and len(_stores_of("app-b")) == 1
+    for client in (a, b, a2):
+        client.close()
+    assert main(["kv", "drop", "--app", "app-b"]) == 0
+    assert _stores_of("app-b") == []
+
+
+def test_no_ray_lookup_holds_the_lock(ray_cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup of the stores that hangs (a slow GCS: it has no timeout) on one thread leaves the client's
+    lock free: another thread's call that needs it answers at once."""
+    client = RayBlockStore(store_scope("app-lock", "m"), 1 << 20, 5.0)
+    entered, release = threading.Event(), threading.Event()
+    real = ray.util.list_named_actors
+
+    def slow(all_namespaces: bool = False) -> list[dict[str, str]]:
+        entered.set()
+        release.wait(30)
+        return real(all_namespaces=all_namespaces)
+
+    monkeypatch.setattr(ray.util, "list_named_actors", slow)
+    client._refreshed = 0.0  # the next call looks the stores up again
+    looking = threading.Thread(target=client.refresh_index)
+    looking.start()
+    try:
+        assert entered.wait(30)
+        answered = threading.Event()
+        threading.Thread(target=lambda: (client.take_faults(), answered.set())).start()
+        assert answered.wait(5.0)
+    finally:
+        release.set()
+        looking.join(30)
+    monkeypatch.undo()
+    client.close()
+    assert main(["kv", "drop", "--app", "app-lock"]) == 0

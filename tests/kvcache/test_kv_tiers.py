@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import errno
+import os
+import stat
+import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,15 @@ from kvcache.kv_blocks import (
 )
 from kvcache.kv_offload_config import KVOffloadConfig
 from kvcache.kv_pool import KVPool
-from kvcache.kv_tiers import BlockStore, DiskTier, TieredKV, TierStats
+from kvcache.kv_tiers import (
+    ABANDONED_AFTER_S,
+    BlockStore,
+    DiskTier,
+    StoreState,
+    TieredKV,
+    TierStats,
+    sweep_abandoned,
+)
 from kvcache.kv_transfer import KVLayout, RankPayloads
 
 SHAPE: dict[str, Any] = {"num_layers": 2, "page_size": 4, "num_kv_heads": 2, "head_dim": 8}
@@ -113,7 +126,8 @@ def test_config_is_checked_by_name() -> None:
     for bad, words in [({}, "every tier is off"), ({"host_bytes": -1}, "host_bytes"), ({"hots_bytes": 1}, "unknown"),
                        ({"disk_path": "/tmp/x"}, "disk_bytes is 0"), ("{nope", "not valid JSON"),
                        ({"cluster": "yes"}, "cluster must be"), ({"host_bytes": 1, "load_wait_s": 90}, "load_wait_s"),
-                       ([1], "must be an object")]:  # fmt: skip
+                       ([1], "must be an object"), ({"host_bytes": 1, "save_queue_bytes": -1}, "save_queue_bytes"),
+                       ({"cluster": True, "cluster_app": ""}, "cluster_app must be")]:  # fmt: skip
         with pytest.raises(CacheConfigError, match=words) as info:
             KVOffloadConfig.parse(bad)  # type: ignore[arg-type]
         assert info.value.param == "kv_offload"
@@ -163,7 +177,9 @@ def test_disk_tier_spills_from_host_and_stays_within_bytes(tmp_path: Path) -> No
 def test_disk_blocks_are_found_again_by_a_new_engine(tmp_path: Path) -> None:
     pool = _pool()
     keys = _keys(3)
-    _tiers(tmp_path, disk=1 << 20).save(keys, _pages(pool, [7, 8, 9]))
+    first = _tiers(tmp_path, disk=1 << 20)
+    first.save(keys, _pages(pool, [7, 8, 9]))
+    first.close()  # the folder is one engine's at a time
     again = _tiers(tmp_path, disk=1 << 20)
     got = again.fetch(keys)
     assert got is not None and _equal(got, _pages(pool, [7, 8, 9]))
@@ -195,8 +211,82 @@ def test_a_full_disk_drops_blocks_without_raising(tmp_path: Path, monkeypatch: p
     tiers.save(keys, _pages(pool, [0, 1]))
     disk = tiers.stats["disk"]
     assert disk.errors == 2 and disk.blocks == 0 and disk.bytes == 0
-    assert not list((tmp_path / "blocks").iterdir())  # no temporary file left behind
+    assert [f.name for f in (tmp_path / "blocks").iterdir()] == [DiskTier.LOCK]  # no temporary file left behind
     assert tiers.fetch(keys) is None
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_disk_folder_is_private_and_one_engines(tmp_path: Path) -> None:
+    """Created 0700 with 0600 blocks; a second engine on the folder is refused by name until the first closes."""
+    pool = _pool()
+    tiers = _tiers(tmp_path, disk=1 << 20)
+    folder = tmp_path / "blocks"
+    tiers.save(_keys(2), _pages(pool, [0, 1]))
+    assert _mode(folder) == 0o700
+    blocks = list(folder.glob("*.kvb"))
+    assert len(blocks) == 2 and all(_mode(f) == 0o600 for f in blocks)
+    with pytest.raises(CacheConfigError, match="disk_path .* is in use by another engine") as info:
+        _tiers(tmp_path, disk=1 << 20)
+    assert info.value.param == "kv_offload"
+    tiers.close()
+    again = _tiers(tmp_path, disk=1 << 20)
+    assert again.stats["disk"].blocks == 2
+    again.close()
+
+
+def test_a_folder_of_another_user_or_open_to_others_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "blocks"
+    folder.mkdir(mode=0o700)
+    folder.chmod(0o777)
+    with pytest.raises(CacheConfigError, match="disk_path .* may be written by other users"):
+        _tiers(tmp_path, disk=1 << 20)
+    folder.chmod(0o700)
+    owner = folder.stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    with pytest.raises(CacheConfigError, match=f"disk_path .* is owned by uid {owner}, not by this process's user"):
+        _tiers(tmp_path, disk=1 << 20)
+
+
+def test_a_planted_link_is_not_followed_and_stray_temporary_files_are_swept(tmp_path: Path) -> None:
+    """A link at a block's temporary name (another user's trap, or a crashed writer's file) is never written
+    through: the block is dropped and counted. Temporary files found at start are removed."""
+    folder = tmp_path / "blocks"
+    folder.mkdir(mode=0o700)
+    stray = folder / ".0123.99.tmp"
+    stray.write_bytes(b"half a block")
+    tiers = _tiers(tmp_path, disk=1 << 20)
+    assert not stray.exists()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    keys = _keys(1)
+    (folder / f".{keys[0].hex()}.{os.getpid()}{DiskTier.TMP_SUFFIX}").symlink_to(victim)
+    tiers.save(keys, _pages(_pool(), [0]))
+    assert victim.read_bytes() == b"precious"
+    assert tiers.stats["disk"].errors == 1 and tiers.stats["disk"].blocks == 0
+    tiers.close()
+
+
+def test_crashed_engines_folders_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    parent = tmp_path / "kv_blocks"
+    live = DiskTier(parent / "live", 1 << 20, TierStats())
+    crashed = parent / "crashed"  # its engine died holding the lock: the kernel dropped it
+    crashed.mkdir()
+    (crashed / DiskTier.LOCK).touch()
+    (crashed / "ab.kvb").write_bytes(b"x")
+    unlocked_old = parent / "old"  # died before it locked its folder
+    unlocked_old.mkdir()
+    os.utime(unlocked_old, (time.time() - 2 * ABANDONED_AFTER_S,) * 2)
+    starting = parent / "starting"  # an engine between creating its folder and locking it
+    starting.mkdir()
+    assert sweep_abandoned(parent) == 2
+    assert sorted(p.name for p in parent.iterdir()) == ["live", "starting"]
+    live.close()
+    assert sweep_abandoned(parent) == 1 and not (parent / "live").exists()
 
 
 class _DeadStore:
@@ -206,7 +296,7 @@ class _DeadStore:
     def fetch(self, keys: Sequence[bytes]) -> list[BlockBytes]:
         raise ConnectionError("store gone")
 
-    def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> StoreState:
         raise ConnectionError("store gone")
 
     def take_faults(self) -> int:
@@ -243,8 +333,10 @@ class _MemStore:
             out.append(self.blocks[key])
         return out
 
-    def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, np.ndarray]]) -> StoreState:
+        added = sum(len(d) for k, d in items if k not in self.blocks)
         self.blocks.update(items)
+        return StoreState(added, len(self.blocks), sum(len(d) for d in self.blocks.values()))
 
     def take_faults(self) -> int:
         faults, self.faults = self.faults, 0
@@ -270,3 +362,52 @@ def test_the_cluster_tier_serves_another_engine_and_refuses_a_corrupt_block(tmp_
     store.faults = 1
     third.fetch(keys)
     assert third.stats["cluster"].errors == 3  # the corrupt block again, and the outage
+
+
+def test_the_cluster_tier_counts_what_the_store_holds(tmp_path: Path) -> None:
+    """``blocks``/``bytes`` (``kv_tier_blocks``/``kv_tier_bytes``) are what the store holds after the last put,
+    and ``bytes_written`` only what it took: saving blocks it holds already adds nothing."""
+    store = _MemStore()
+    tiers = _tiers(tmp_path, store=store)
+    keys = _keys(3)
+    pool = _pool()
+    tiers.save(keys, _pages(pool, [0, 1, 2]))
+    tiers.save(keys, _pages(pool, [0, 1, 2]))  # another replica's copy of the same prefix, say
+    held = sum(len(d) for d in store.blocks.values())
+    cluster = tiers.stats["cluster"]
+    assert (cluster.blocks, cluster.bytes, cluster.bytes_written) == (3, held, held)
+
+
+class _OutageStore(_DeadStore):
+    """A dead store whose client also saw an outage before each lookup, and whose ``take_faults`` waits on its
+    lock long enough for another thread to run (as a real client's may)."""
+
+    def take_faults(self) -> int:
+        time.sleep(0)  # gives up the GIL: the save thread counts its failed write meanwhile
+        return 1
+
+
+def test_counters_lose_no_update_across_threads(tmp_path: Path) -> None:
+    """The load and save threads both count faults of one store: none is lost."""
+    tiers = _tiers(tmp_path, store=_OutageStore())
+    keys, payload = _keys(1), _pages(_pool(), [0])
+    rounds = 300
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as it can: a lost update shows at once
+
+    def work(i: int) -> None:
+        for _ in range(rounds):
+            if i % 2:
+                tiers.save(keys, payload)  # a failed write: one error
+            else:
+                tiers.fetch(keys)  # an outage taken, then a failed read: two
+
+    try:
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert tiers.stats["cluster"].errors == 2 * rounds * 2 + 2 * rounds

@@ -10,6 +10,10 @@ tokenizer endpoints need a key.
 Each presented key is compared with every configured key through
 ``hmac.compare_digest`` on SHA-256 digests, so neither the position of the
 first differing byte nor the key's length shows in the timing.
+
+``check`` returns who is calling (``KeyOwner``): the hex digest of the key,
+or ``None`` when no key is configured. What a key makes and the server keeps
+(stored Responses, ``apps.responses_store``) belongs to it.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ import hashlib
 import hmac
 import os
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from apps.errors import APIError
 
 API_KEY_ENV = "FLOTILLA_API_KEY"
+# The caller a request's key identifies: the SHA-256 hex digest of the key (never the key itself), or None
+# on a server without keys (then every caller is the same one).
+KeyOwner: TypeAlias = str | None
 
 
 def _digest(key: str) -> bytes:
@@ -48,10 +56,11 @@ class ApiKeyAuth:
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def check(self, authorization: str | None) -> None:
-        """Raise 401 (OpenAI envelope) unless ``authorization`` is ``Bearer <a configured key>``."""
+    def check(self, authorization: str | None) -> KeyOwner:
+        """The caller's ``KeyOwner``; raise 401 (OpenAI envelope) unless ``authorization`` is
+        ``Bearer <a configured key>``."""
         if not self._digests:
-            return
+            return None
         scheme, _, token = (authorization or "").partition(" ")
         presented = _digest(token.strip())
         ok = False
@@ -60,3 +69,4 @@ class ApiKeyAuth:
         if scheme.lower() != "bearer" or not ok:
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
+        return presented.hex()

@@ -33,8 +33,12 @@
   ``{"num_cpus": 0.1}``); ``max_ongoing_requests``;
 - ``max_stored_responses``: finished ``/v1/responses`` kept per replica for
   ``previous_response_id`` (default 1024; docs/responses.md);
+  ``max_stored_response_bytes``: the memory they may hold per replica
+  (default 256 MiB; ``apps.responses_store``);
 - ``lora_modules``: LoRA adapters served by name, ``{name: folder}`` (PEFT
-  format; implies ``enable_lora``; ``apps.lora_serving``, docs/lora.md).
+  format; implies ``enable_lora``; ``apps.lora_serving``, docs/lora.md);
+  ``runtime_lora_updates``: open ``POST /v1/load_lora_adapter`` and
+  ``/v1/unload_lora_adapter`` (default off: both 404; implies ``enable_lora``).
 
 Unknown keys are refused, naming the key.
 """
@@ -57,7 +61,9 @@ from scheduling.errors import InvalidParameterError
 
 # Passed to ``LLMServer``'s constructor.
 APP_OPTIONS = ("num_replicas", "served_model_name", "scheduler_options", "max_body_bytes",
-               "api_keys", "max_queued_requests", "scheduler_placement", "lora_modules", "max_stored_responses")
+               "api_keys", "max_queued_requests", "scheduler_placement", "lora_modules", "max_stored_responses",
+               "runtime_lora_updates",
+               "max_stored_response_bytes")
 # Deployment options (they shape the Serve deployment, not the replica object).
 DEPLOYMENT_OPTIONS = ("autoscaling", "request_router", "graceful_shutdown_timeout_s",
                       "replica_options", "max_ongoing_requests")
@@ -125,6 +131,8 @@ def build_app(args: dict[str, Any]) -> Application:
             raise InvalidParameterError("lora_modules", "must map adapter names to their folders")
         if engine.setdefault("enable_lora", True) is not True:
             raise InvalidParameterError("lora_modules", "adapters need enable_lora=True")
+    if options.get("runtime_lora_updates") and engine.setdefault("enable_lora", True) is not True:
+        raise InvalidParameterError("runtime_lora_updates", "loading adapters needs enable_lora=True")
     if pd is not None and (engine.get("enable_lora") or options.get("lora_modules")):
         raise InvalidParameterError("pd", "LoRA adapters are not served with prefill/decode pools: the prefill "
                                           "pool would compute prompts without the request's adapter")

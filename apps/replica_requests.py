@@ -34,7 +34,7 @@ from actors.remote.scheduler_handle import SchedulerHandle
 from apps import embeddings as em
 from apps import protocol as p
 from apps import request_params as rq
-from apps.auth import ApiKeyAuth
+from apps.auth import ApiKeyAuth, KeyOwner
 from apps.detached import detached
 from apps.disaggregation import RemotePrefill
 from apps.errors import APIError
@@ -66,6 +66,7 @@ class ReplicaRequests:
     _tasks: set[asyncio.Task[None]]
     config: EngineConfig
     model_name: str
+    embedding_size: int  # the model's vectors' length (``apps.embeddings.embedding_size``)
     loras: ReplicaLoRAs
     _encoder: PromptEncoder
     _responses: ResponsesService
@@ -117,13 +118,14 @@ class ReplicaRequests:
         self._check_batch(len(ids))
         return req, model, ids, params
 
-    async def _parse_response(self, body: bytes) -> tuple[ResponsesCall, Generation]:
-        call = self._responses.parse(body, self.max_body_bytes)
+    async def _parse_response(self, owner: KeyOwner, body: bytes) -> tuple[ResponsesCall, Generation]:
+        call = self._responses.parse(body, self.max_body_bytes, owner)
         return call, await self._generation(call.chat, [await self._chat_ids(call.chat)])
 
     async def _parse_embeddings(self, body: bytes) -> tuple[em.EmbeddingRequest, str, list[list[int]],
                                                             list[SamplingParams]]:
         req = rq.parse_request(body, em.EmbeddingRequest, max_body_bytes=self.max_body_bytes)
+        em.check_dimensions(req, self.embedding_size)
         inputs = em.embedding_inputs(req)
         self._check_size(len(inputs), "input", "inputs")
         ids = [await self._encoder.encode(one) for one in inputs]

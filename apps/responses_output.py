@@ -18,26 +18,16 @@ call ``response.function_call_arguments.delta`` ... ``.done``; then
 and ``response.failed`` when the engine failed). openai-python's
 ``responses.stream`` helper checks this order.
 
-``ResponseStore``: the responses a replica keeps for ``previous_response_id``
-and ``GET``/``DELETE /v1/responses/{id}``; bounded (least recently used
-entries go first), in memory, per replica. A response id carries its
-replica's tag, so a request for an id another replica
-holds is told so (and the router sends requests naming an id to its
-replica: ``cluster.request_router``).
+The store of finished responses is ``apps.responses_store``'s.
 """
 
 from __future__ import annotations
 
 import copy
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from apps.protocol import ChatMessage
-from scheduling.errors import InvalidParameterError
-
-DEFAULT_MAX_STORED_RESPONSES = 1024  # per replica; each holds its own turns' text (its parent's are shared)
 
 
 def responses_usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
@@ -192,55 +182,3 @@ def output_messages(output: list[dict[str, Any]]) -> list[ChatMessage]:
     if calls:
         turns.append(ChatMessage.model_validate({"role": "assistant", "tool_calls": calls}))
     return turns
-
-
-@dataclass(frozen=True, slots=True)
-class StoredResponse:
-    """A finished response: its own turns (its input and its output, without instructions) after its parent's.
-
-    Holding the parent (the ``previous_response_id`` it continued) rather than a
-    copy of its turns keeps a chain of N responses at O(N) turns, not O(N^2);
-    a parent evicted from the store stays reachable from its children.
-    """
-
-    response: dict[str, Any]
-    turns: list[ChatMessage]
-    parent: StoredResponse | None = None
-
-    def conversation(self) -> list[ChatMessage]:
-        """Every turn from the first response of the chain to this one's output."""
-        chain: list[StoredResponse] = []
-        entry: StoredResponse | None = self
-        while entry is not None:
-            chain.append(entry)
-            entry = entry.parent
-        return [turn for one in reversed(chain) for turn in one.turns]
-
-
-class ResponseStore:
-    """A replica's finished responses by id, at most ``max_entries`` (least recently used go first)."""
-
-    def __init__(self, max_entries: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise InvalidParameterError("max_stored_responses", f"must be an integer >= 1, got {max_entries!r}")
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, entry: StoredResponse) -> None:
-        rid = str(entry.response["id"])
-        self._entries[rid] = entry
-        self._entries.move_to_end(rid)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-
-    def get(self, rid: str) -> StoredResponse | None:
-        entry = self._entries.get(rid)
-        if entry is not None:
-            self._entries.move_to_end(rid)
-        return entry
-
-    def delete(self, rid: str) -> bool:
-        return self._entries.pop(rid, None) is not None

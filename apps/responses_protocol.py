@@ -18,6 +18,13 @@ Translation (OpenAI's semantics):
   (``json_schema`` flat, ``json_object``, ``text``) -> ``response_format``;
   flat function ``tools`` and ``tool_choice`` -> chat's nested ones.
 
+``metadata`` and ``user`` are kept with the stored response, so they have
+OpenAI's limits (``check_limits``): at most 16 pairs, keys of at most 64
+characters, values of at most 512; ``user`` at most 64 characters (the limit
+of ``safety_identifier``, which OpenAI made its successor). Past them the
+request is refused naming the field: unbounded, a 4 MiB body of metadata
+pairs held ~35 MiB per stored response.
+
 Errors name the Responses field: a chat field name in an error raised
 downstream is mapped back through ``CHAT_TO_RESPONSES`` (``apps.errors.renamed``). Options a serving engine
 cannot honour (``background``, ``conversation``, ``reasoning``, ``include``,
@@ -154,6 +161,11 @@ class ResponsesRequest(_Strict):
     max_tool_calls: int | None = None
 
 
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_USER_CHARS = 64
+
 # Fields a request may not set, with what setting them would have asked for.
 _REFUSED = (
     ("background", lambda r: bool(r.background), "background responses are not served; leave background unset"),
@@ -172,6 +184,22 @@ _REFUSED = (
 # Chat field -> the Responses field a user wrote it as (for errors raised on the chat request).
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
                      "max_tokens": "max_output_tokens", "response_format": "text", "prompt": "input"}
+
+
+def check_limits(req: ResponsesRequest) -> None:
+    """Refuse ``metadata`` and ``user`` past OpenAI's limits (``InvalidParameterError`` naming the field)."""
+    metadata = req.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidParameterError("metadata", f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidParameterError("metadata", f"key '{key[:MAX_METADATA_KEY_CHARS]}...' is {len(key)} "
+                                                    f"characters; the limit is {MAX_METADATA_KEY_CHARS}")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidParameterError("metadata", f"the value of '{key}' is {len(value)} characters; the limit "
+                                                    f"is {MAX_METADATA_VALUE_CHARS}")
+    if req.user is not None and len(req.user) > MAX_USER_CHARS:
+        raise InvalidParameterError("user", f"{len(req.user)} characters; the limit is {MAX_USER_CHARS}")
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -224,6 +252,7 @@ def _tool_choice(choice: str | FunctionToolChoice | None) -> str | dict[str, Any
 
 def to_chat(req: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletionRequest:
     """The chat request that serves ``req``, continuing ``history`` (the turns of ``previous_response_id``)."""
+    check_limits(req)
     check_supported(req)
     turns: list[ChatMessage] = []
     if req.instructions:

@@ -6,13 +6,15 @@ it (``apps.responses_protocol``), with the conversation of
 ``previous_response_id`` in front; the chat stream's chunks then go through a
 ``ResponseAssembler`` (``apps.responses_output``) into the whole response
 (``whole``) or its server-sent events (``sse``). A finished response is kept
-in the replica's ``ResponseStore`` unless ``store`` is false, together with
-its conversation (its turns and its output, without instructions) for a
-later ``previous_response_id``.
+in the replica's ``ResponseStore`` (``apps.responses_store``) unless ``store``
+is false, together with its conversation (its turns and its output, without
+instructions) for a later ``previous_response_id``, and the key that made it:
+only that key reads, deletes or continues it.
 
-An id this replica does not hold is a 404 naming it; one that names another
-replica says which, and how to reach it (``X-Flotilla-Previous-Response``,
-which the SDK sends and ``cluster.request_router`` routes on).
+An id this replica does not hold for the caller's key is a 404 naming it; one
+that names another replica says which, and how to reach it
+(``X-Flotilla-Previous-Response``, which the SDK sends and
+``cluster.request_router`` routes on).
 """
 
 from __future__ import annotations
@@ -25,32 +27,33 @@ from fastapi.responses import JSONResponse
 
 from apps import protocol as p
 from apps import request_params as rq
+from apps.auth import KeyOwner
 from apps.errors import APIError, error_response, renamed
 from apps.http_responses import error_json
 from apps.protocol import ChatCompletionRequest, ChatMessage
 from apps.response_builder import ResponseBuilder
-from apps.responses_output import (
+from apps.responses_output import ResponseAssembler, output_messages, responses_usage
+from apps.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest, input_messages, to_chat
+from apps.responses_store import (
+    DEFAULT_MAX_STORED_RESPONSE_BYTES,
     DEFAULT_MAX_STORED_RESPONSES,
-    ResponseAssembler,
     ResponseStore,
     StoredResponse,
-    output_messages,
-    responses_usage,
 )
-from apps.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest, input_messages, to_chat
 from apps.stream_fanout import RequestStream
 from cluster.response_ids import PREVIOUS_RESPONSE_HEADER, replica_tag
 
 
 @dataclass(slots=True)
 class ResponsesCall:
-    """One parsed Responses request: the request, its chat translation, the response it continues (if any)
-    and its own input turns."""
+    """One parsed Responses request: the request, its chat translation, the response it continues (if any),
+    its own input turns and the key that sent it."""
 
     request: ResponsesRequest
     chat: ChatCompletionRequest
     parent: StoredResponse | None = None
     turns: list[ChatMessage] = field(default_factory=list)
+    owner: KeyOwner = None
 
 
 def rename_error(exc: BaseException) -> BaseException:
@@ -61,32 +64,41 @@ def rename_error(exc: BaseException) -> BaseException:
 class ResponsesService:
     """One replica's Responses state: its tag (in every id it makes) and its store."""
 
-    def __init__(self, tag: str, *, max_stored: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+    def __init__(self, tag: str, *, max_stored: int = DEFAULT_MAX_STORED_RESPONSES,
+                 max_stored_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES) -> None:
         self.tag = tag
-        self.store = ResponseStore(max_stored)
+        self.store = ResponseStore(max_stored, max_stored_bytes)
 
-    def lookup(self, rid: str, *, param: str | None = None) -> StoredResponse:
-        """The stored response ``rid``; a 404 naming it (and its replica, if another) when not here."""
-        entry = self.store.get(rid)
+    def lookup(self, rid: str, owner: KeyOwner, *, param: str | None = None) -> StoredResponse:
+        """The response ``rid`` stored for ``owner``; a 404 naming it (and its replica, if another) when not
+        here (another key's response is not here for this one: the 404 is the same as for an unknown id)."""
+        entry = self.store.get(rid, owner)
         if entry is not None:
             return entry
-        owner = replica_tag(rid)
-        if owner is not None and owner != self.tag:
-            raise APIError(404, f"response '{rid}' is held by replica {owner}, not this one ({self.tag}): send "
+        holder = replica_tag(rid)
+        if holder is not None and holder != self.tag:
+            raise APIError(404, f"response '{rid}' is held by replica {holder}, not this one ({self.tag}): send "
                                 f"the request with the header {PREVIOUS_RESPONSE_HEADER}: {rid} so it is routed "
                                 f"there (the flotilla SDK does)", param=param, code="response_on_other_replica")
-        raise APIError(404, f"no response with id '{rid}' is stored on this replica (it was never made, was made "
-                            "with store=false, was deleted, or was evicted from the bounded store)",
+        raise APIError(404, f"no response with id '{rid}' is stored on this replica for this API key (it was never "
+                            "made, was made with store=false or another key, was deleted, or was evicted from "
+                            "the bounded store)",
                        param=param, code="response_not_found")
 
-    def parse(self, body: bytes, max_body_bytes: int) -> ResponsesCall:
-        """The body as a ``ResponsesCall`` (the caller maps chat field names in errors: ``rename_error``)."""
+    def parse(self, body: bytes, max_body_bytes: int, owner: KeyOwner) -> ResponsesCall:
+        """The body ``owner`` sent as a ``ResponsesCall`` (the caller maps chat field names in errors:
+        ``rename_error``)."""
         req = rq.parse_request(body, ResponsesRequest, max_body_bytes=max_body_bytes)
         parent = None
         if req.previous_response_id is not None:
-            parent = self.lookup(req.previous_response_id, param="previous_response_id")
+            parent = self.lookup(req.previous_response_id, owner, param="previous_response_id")
         chat = to_chat(req, [] if parent is None else parent.conversation())
-        return ResponsesCall(req, chat, parent, input_messages(req))
+        return ResponsesCall(req, chat, parent, input_messages(req), owner)
+
+    def delete(self, rid: str, owner: KeyOwner) -> None:
+        """Forget ``rid`` (a 404 as ``lookup``'s when ``owner`` holds no such response here)."""
+        self.lookup(rid, owner)
+        self.store.delete(rid, owner)
 
     def skeleton(self, call: ResponsesCall, rid: str, model: str, created: int) -> dict[str, Any]:
         """The fixed fields of the response object: its id, model and the request's options, echoed."""
@@ -109,7 +121,8 @@ class ResponsesService:
 
     def _keep(self, call: ResponsesCall, asm: ResponseAssembler) -> None:
         if call.request.store is not False and asm.status in ("completed", "incomplete"):
-            self.store.put(StoredResponse(asm.response(), call.turns + output_messages(asm.output), call.parent))
+            self.store.put(StoredResponse(asm.response(), call.turns + output_messages(asm.output), call.parent,
+                                          call.owner))
 
     async def whole(self, call: ResponsesCall, stream: RequestStream, out: ResponseBuilder, asm: ResponseAssembler,
                     release: Callable[[], None]) -> JSONResponse:

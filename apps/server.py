@@ -58,6 +58,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.config import EngineConfig
+from actors.engine.kv_offload import scoped_to_app
 from actors.load.loader import load_tokenizer, resolve_model_path
 from actors.remote.scheduler_handle import ActorScheduler, SchedulerHandle
 from apps import embeddings as em
@@ -79,8 +80,9 @@ from apps.replica_stats import HEALTH_TIMEOUT_S, ReplicaStats
 from apps.request_body import read_body
 from apps.request_kind import RequestKind
 from apps.response_builder import ResponseBuilder
-from apps.responses_output import DEFAULT_MAX_STORED_RESPONSES, ResponseAssembler
+from apps.responses_output import ResponseAssembler
 from apps.responses_service import ResponsesService, rename_error
+from apps.responses_store import DEFAULT_MAX_STORED_RESPONSE_BYTES, DEFAULT_MAX_STORED_RESPONSES
 from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
 from apps.stream_fanout import EventStreamResponse, StreamFanout
 from apps.token_text import TokenText
@@ -149,9 +151,10 @@ class LLMServer(ReplicaStats, ReplicaRequests):
                  scheduler_placement: str = DEFAULT_PLACEMENT, prefill: DeploymentHandle | None = None,
                  remote_prefill_min_tokens: int = DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
                  remote_prefill_timeout_s: float = DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
-                 lora_modules: dict[str, str] | None = None,
-                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
-        self.config = EngineConfig.from_kwargs(**engine)
+                 lora_modules: dict[str, str] | None = None, runtime_lora_updates: bool = False,
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+                 max_stored_response_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES) -> None:
+        self.config = scoped_to_app(EngineConfig.from_kwargs(**engine), serve.get_replica_context().app_name)
         if lora_modules and not self.config.enable_lora:
             raise InvalidParameterError("lora_modules", "adapters need enable_lora=True")
         check_placement(scheduler_placement, scheduler_options)
@@ -166,7 +169,9 @@ class LLMServer(ReplicaStats, ReplicaRequests):
         self.model_name = rq.served_name(served_model_name, self.config.model)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
+        model_path = resolve_model_path(self.config.model)
+        self.tokenizer = load_tokenizer(model_path)
+        self.embedding_size = em.embedding_size(model_path)
         self._encoder = PromptEncoder(self.tokenizer)
         self._token_text = TokenText(self.tokenizer)
         self._scheduler: SchedulerHandle
@@ -182,13 +187,15 @@ class LLMServer(ReplicaStats, ReplicaRequests):
             record=self.metrics.record)
         self._fanout = StreamFanout(self._scheduler, replica_id, observer=self.latency_observer(self.metrics.observe))
         catalog = ActorCatalog(serve.get_replica_context().app_name) if self.config.enable_lora else None
-        self.loras = ReplicaLoRAs(self._scheduler, catalog, self.model_name, record=self.metrics.record)
+        self.loras = ReplicaLoRAs(self._scheduler, catalog, self.model_name, record=self.metrics.record,
+                                  runtime_updates=runtime_lora_updates)
         if catalog is not None:
             catalog.register_now(lora_modules or {})
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
         # Responses kept for previous_response_id; their ids carry the tag the router routes them back on.
         self._responses = ResponsesService(serve.get_replica_context().replica_id.unique_id,
-                                           max_stored=max_stored_responses)
+                                           max_stored=max_stored_responses,
+                                           max_stored_bytes=max_stored_response_bytes)
 
     async def check_health(self) -> None:
         """Serve's replica check: raising makes Serve replace this replica.
@@ -227,7 +234,10 @@ class LLMServer(ReplicaStats, ReplicaRequests):
     async def create_response(self, request: Request) -> Response:
         """The Responses API over the chat path (``apps.responses_service``): JSON or typed SSE events."""
         try:
-            call, (_, model, prompts, params) = await self._inputs(request, self._parse_response)
+            # Who sends it (checked again, with capacity, by _inputs): the owner of what it reads and stores.
+            owner = self.auth.check(request.headers.get("authorization"))
+            call, (_, model, prompts, params) = await self._inputs(
+                request, functools.partial(self._parse_response, owner))
         except Exception as exc:
             return error_json(rename_error(exc))
         started = await self._start("resp", prompts, params, errors=rename_error)
@@ -244,20 +254,18 @@ class LLMServer(ReplicaStats, ReplicaRequests):
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request) -> Response:
-        """A stored response (404 naming the id when this replica does not hold it)."""
+        """A stored response (404 naming the id when this replica does not hold it for the caller's key)."""
         try:
-            self.auth.check(request.headers.get("authorization"))
-            return JSONResponse(self._responses.lookup(response_id).response)
+            owner = self.auth.check(request.headers.get("authorization"))
+            return JSONResponse(self._responses.lookup(response_id, owner).response)
         except Exception as exc:
             return error_json(exc)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> Response:
-        """Forget a stored response (404 naming the id when this replica does not hold it)."""
+        """Forget a stored response (404 naming the id when this replica does not hold it for the caller's key)."""
         try:
-            self.auth.check(request.headers.get("authorization"))
-            self._responses.lookup(response_id)
-            self._responses.store.delete(response_id)
+            self._responses.delete(response_id, self.auth.check(request.headers.get("authorization")))
         except Exception as exc:
             return error_json(exc)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -291,31 +299,34 @@ class LLMServer(ReplicaStats, ReplicaRequests):
         card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "flotilla", "max_model_len": self.config.max_model_len}
         try:
-            adapters = await self.loras.cards()
+            adapters = await self.loras.names()
         except Exception as exc:
             return error_json(exc)
-        cards = [card] + [{**card, "id": name, "parent": self.model_name, "root": path}
-                          for name, path in sorted(adapters.items())]
+        cards = [card] + [{**card, "id": name, "parent": self.model_name} for name in adapters]
         return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
-        """Load a PEFT adapter for the whole application (checked by loading it on this replica)."""
+        """Load a PEFT adapter for the whole application (checked by loading it on this replica; 404 unless
+        ``runtime_lora_updates``)."""
         try:
             self.auth.check(request.headers.get("authorization"))
+            self.loras.check_runtime_updates()  # before the body: off looks like no such route
             body = await read_body(request, self.max_body_bytes)
             req = rq.parse_request(body, LoadLoRARequest, max_body_bytes=self.max_body_bytes)
             info = await self.loras.load(req.lora_name, req.lora_path)
         except Exception as exc:
             return error_json(exc)
         return JSONResponse({"object": "lora_adapter", "id": info.name, "parent": self.model_name,
-                             "root": info.path, "rank": info.rank, "target_modules": list(info.targets)})
+                             "rank": info.rank, "target_modules": list(info.targets)})
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
-        """Unload an adapter: refused for new requests at once, gone once its requests end."""
+        """Unload an adapter: refused for new requests at once, gone once its requests end (404 unless
+        ``runtime_lora_updates``)."""
         try:
             self.auth.check(request.headers.get("authorization"))
+            self.loras.check_runtime_updates()  # before the body: off looks like no such route
             body = await read_body(request, self.max_body_bytes)
             req = rq.parse_request(body, UnloadLoRARequest, max_body_bytes=self.max_body_bytes)
             await self.loras.unload(req.lora_name)

@@ -1,15 +1,15 @@
-"""Fuzzing the two generation endpoints with hypothesis-built bodies.
+"""Fuzzing the generation endpoints (completions, chat, Responses) and embeddings with hypothesis-built bodies.
 
 Bodies are junk of every kind: raw bytes, JSON that is not an object, NaN and
 infinities, huge and negative numbers, odd unicode (lone surrogates, NUL,
 bidi marks, combining runs), deep nesting, long strings, and valid requests
 with one to three fields replaced by such junk. The server must answer each
 with a 2xx or 4xx (never a 500, never a stream ending in a ``server_error``
-event), and its replica must survive: same replica, healthy, every KV page
-free at the end.
+event or a Responses stream failing with the internal error), and its replica
+must survive: same replica, healthy, every KV page free at the end.
 
-Cheap by construction: a mutated valid body keeps ``max_tokens`` small unless
-``max_tokens`` is the field being fuzzed, and then the values drawn are junk,
+Cheap by construction: a mutated valid body keeps ``max_tokens`` (Responses:
+``max_output_tokens``) small unless it is the field being fuzzed, and then the values drawn are junk,
 tiny, or larger than ``max_model_len`` (refused); ``n`` is tiny or absurd. A
 body that still runs long is cut by the client timeout and reported as a hang.
 """
@@ -26,15 +26,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from apps.errors import INTERNAL_ERROR_MESSAGE
 from apps.request_params import DEFAULT_MAX_BODY_BYTES
 from tests.actors.fault_injection import replica_actors
 from tests.serve_harness import ENGINE, LiveServer, http
 
-PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
+         "embeddings": "/v1/embeddings"}
 BASES: dict[str, dict[str, Any]] = {
     "completion": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
     "chat": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "responses": {"model": "tiny", "input": "hi", "max_output_tokens": 2},
+    "embeddings": {"model": "tiny", "input": "hi"},
 }
+# The field that carries each endpoint's text.
+TEXT_FIELD = {"completion": "prompt", "chat": "messages", "responses": "input", "embeddings": "input"}
+# What a prompt over max_model_len is refused as (chat reports its rendered prompt).
+OVER_LIMIT_PARAMS = {"completion": ("prompt", "max_tokens"), "chat": ("prompt", "messages", "max_tokens"),
+                     "responses": ("input", "max_output_tokens"), "embeddings": ("input",)}
 FIELDS = {
     "completion": ["model", "prompt", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p",
                    "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty",
@@ -43,6 +52,11 @@ FIELDS = {
     "chat": ["model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
              "temperature", "top_p", "top_k", "stop", "seed", "logprobs", "top_logprobs", "tools", "tool_choice",
              "response_format", "structured_outputs", "ignore_eos", "stop_token_ids", "user"],
+    "responses": ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed", "text",
+                  "tools", "tool_choice", "parallel_tool_calls", "stream", "store", "previous_response_id",
+                  "metadata", "user", "background", "conversation", "reasoning", "include", "truncation",
+                  "top_logprobs", "max_tool_calls"],
+    "embeddings": ["model", "input", "encoding_format", "dimensions", "user"],
 }
 MAX_MODEL_LEN = int(ENGINE["max_model_len"])
 CLIENT_TIMEOUT_S = 20.0  # far above any cheap request; past it the request counts as hung
@@ -67,9 +81,11 @@ lengths = st.one_of(st.integers(max_value=4), st.integers(min_value=MAX_MODEL_LE
 deep = st.integers(min_value=50, max_value=5_000).map(lambda d: "[" * d + "]" * d)
 
 
-def _value(field: str) -> st.SearchStrategy[Any]:
-    if field in ("max_tokens", "max_completion_tokens", "n", "best_of"):
+def _value(kind: str, field: str) -> st.SearchStrategy[Any]:
+    if field in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of"):
         return st.one_of(lengths, junk)
+    if (kind, field) in SHAPED:
+        return st.one_of(SHAPED[kind, field], junk)
     if field == "messages":
         message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "tool"]), junk),
                                          "content": st.one_of(st.sampled_from(ODD_STRINGS), junk)})
@@ -97,6 +113,34 @@ STRUCTURED: dict[str, st.SearchStrategy[Any]] = {
     "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": _function}), max_size=3),
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
 }
+_text = st.one_of(st.sampled_from(ODD_STRINGS), st.text(max_size=40))
+_item = st.one_of(
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "developer", "assistant"]), junk),
+                           "content": st.one_of(_text, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                "text": _text}), max_size=3), junk)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": _text, "name": _text, "arguments": _text}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _text, "output": _text}))
+# Endpoint-specific shapes: near-valid values that pass parsing and reach the translation or the engine.
+SHAPED: dict[tuple[str, str], st.SearchStrategy[Any]] = {
+    ("responses", "input"): st.one_of(_text, st.lists(_item, max_size=4)),
+    ("responses", "text"): st.one_of(
+        st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+        st.fixed_dictionaries({"format": st.fixed_dictionaries(
+            {"type": st.just("json_schema"), "name": st.just("x"), "schema": _schema})})),
+    ("responses", "tools"): st.lists(st.fixed_dictionaries(
+        {"type": st.just("function"), "name": st.one_of(st.sampled_from(["f", "g", ""]), junk)},
+        optional={"parameters": _schema}), max_size=3),
+    ("responses", "tool_choice"): st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
+    ("responses", "metadata"): st.dictionaries(st.text(max_size=70), st.text(max_size=600), max_size=20),
+    ("responses", "user"): st.text(max_size=70),
+    ("responses", "previous_response_id"): st.sampled_from(["resp_nope", "resp_elsewhere-0123", ""]),
+    ("embeddings", "input"): st.one_of(_text, st.lists(_text, max_size=4), st.lists(st.integers(), max_size=8),
+                                       st.lists(st.lists(st.integers(min_value=0, max_value=300), max_size=5),
+                                                max_size=3)),
+    ("embeddings", "encoding_format"): st.sampled_from(["float", "base64", "binary", ""]),
+    ("embeddings", "dimensions"): st.one_of(st.integers(min_value=-2, max_value=100), st.sampled_from(HUGE_NUMBERS)),
+}
 
 
 @st.composite
@@ -104,7 +148,7 @@ def mutated(draw: st.DrawFn, kind: str) -> bytes:
     """A valid body with one to three fields replaced (or added) by junk."""
     body = dict(BASES[kind])
     for field in draw(st.lists(st.sampled_from(FIELDS[kind]), min_size=1, max_size=3, unique=True)):
-        body[field] = draw(_value(field))
+        body[field] = draw(_value(kind, field))
     if draw(st.booleans()):
         body[draw(st.text(min_size=1, max_size=10))] = draw(junk)  # an unknown key
     return json.dumps(body, allow_nan=True).encode()
@@ -118,6 +162,7 @@ def bodies(kind: str) -> st.SearchStrategy[bytes]:
         deep.map(str.encode),                                          # nesting past any sane depth
         st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
         st.just(b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"),  # past int parsing
+        st.just(b'{"model": "tiny", "input": "hi", "max_output_tokens": 1' + b"0" * 5000 + b"}"),
     )
 
 
@@ -142,10 +187,18 @@ def _post(web: httpx2.Client, url: str, body: bytes) -> tuple[int, str]:
     return resp.status_code, resp.text
 
 
+def _with_text(kind: str, text: str) -> dict[str, Any]:
+    """The endpoint's base body with ``text`` as its one prompt."""
+    field = TEXT_FIELD[kind]
+    return {**BASES[kind], field: [{"role": "user", "content": text}] if field == "messages" else text}
+
+
 def _check(status: int, text: str, body: bytes) -> None:
     assert status < 500, f"{status} for {body[:300]!r}: {text[:300]}"
-    if status == 200 and text.startswith("data:"):
-        assert '"server_error"' not in text, f"stream ended in a server error for {body[:300]!r}: {text[-300:]}"
+    if status == 200 and text.startswith(("data:", "event:")):  # SSE (Responses events start with "event:")
+        for failed in ('"server_error"' if text.startswith("data:") else None, INTERNAL_ERROR_MESSAGE):
+            assert failed is None or failed not in text, \
+                f"stream ended in a server error for {body[:300]!r}: {text[-300:]}"
     elif status != 200:
         error = json.loads(text)["error"]  # every error is the OpenAI envelope
         assert error["message"], text
@@ -172,9 +225,7 @@ def test_fuzzed_bodies_never_500(live: LiveServer, web: httpx2.Client, kind: str
 
 @pytest.mark.parametrize("kind", list(PATHS))
 def test_body_over_the_limit_is_413(live: LiveServer, web: httpx2.Client, kind: str) -> None:
-    text = "a" * (DEFAULT_MAX_BODY_BYTES + 1)
-    body = {**BASES[kind], "prompt": text} if kind == "completion" else \
-        {**BASES[kind], "messages": [{"role": "user", "content": text}]}
+    body = _with_text(kind, "a" * (DEFAULT_MAX_BODY_BYTES + 1))
     status, answer = _post(web, live.url + PATHS[kind], json.dumps(body).encode())
     assert status == 413, answer[:300]
     assert json.loads(answer)["error"]["code"] == "payload_too_large"
@@ -186,9 +237,7 @@ def test_body_over_the_limit_is_413(live: LiveServer, web: httpx2.Client, kind: 
 def test_prompt_over_the_limit_is_400(live: LiveServer, web: httpx2.Client, kind: str, extra: int,
                                       text: str) -> None:
     """A prompt of more than max_model_len tokens (byte-level tokenizer: >= 1 token per char)."""
-    long = text * (MAX_MODEL_LEN + extra)
-    body = {**BASES[kind], "prompt": long} if kind == "completion" else \
-        {**BASES[kind], "messages": [{"role": "user", "content": long}]}
+    body = _with_text(kind, text * (MAX_MODEL_LEN + extra))
     status, answer = _post(web, live.url + PATHS[kind], json.dumps(body).encode())
     assert status == 400, answer[:300]
-    assert json.loads(answer)["error"]["param"] in ("prompt", "messages", "max_tokens"), answer[:300]
+    assert json.loads(answer)["error"]["param"] in OVER_LIMIT_PARAMS[kind], answer[:300]

@@ -1,4 +1,4 @@
-"""The Responses translation, assembler and store, without a server.
+"""The Responses translation, assembler and store (bounded, owned), without a server.
 
 The assembler's events are read back by openai-python's own types and its
 ``responses.stream`` accumulator (``ResponseStreamState``): what a client
@@ -7,6 +7,7 @@ rebuilds from the stream must be the response the server sends whole.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -15,10 +16,13 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from apps.auth import ApiKeyAuth
+from apps.errors import APIError
 from apps.protocol import ChatMessage
-from apps.responses_output import ResponseAssembler, ResponseStore, StoredResponse, output_messages
+from apps.responses_output import ResponseAssembler, output_messages
 from apps.responses_protocol import ResponsesRequest, to_chat
 from apps.responses_service import ResponsesService, rename_error
+from apps.responses_store import ResponseStore, StoredResponse
 from cluster.response_ids import replica_tag, response_id
 from scheduling.errors import InvalidParameterError
 
@@ -144,9 +148,9 @@ def test_the_store_is_bounded_and_ids_name_their_replica() -> None:
     store = ResponseStore(max_entries=2)
     for rid in ("resp_r-1", "resp_r-2"):
         store.put(StoredResponse({"id": rid}, []))
-    assert store.get("resp_r-1") is not None  # now the most recently used
+    assert store.get("resp_r-1", None) is not None  # now the most recently used
     store.put(StoredResponse({"id": "resp_r-3"}, []))
-    assert store.get("resp_r-2") is None and len(store) == 2 and store.delete("resp_r-1")
+    assert store.get("resp_r-2", None) is None and len(store) == 2 and store.delete("resp_r-1", None)
     rid = response_id("abc123")
     assert replica_tag(rid) == "abc123" and replica_tag("resp_plain") is None and replica_tag("chatcmpl-1") is None
     # A chain shares its parents' turns; an evicted parent still serves its children's conversation.
@@ -155,11 +159,89 @@ def test_the_store_is_bounded_and_ids_name_their_replica() -> None:
     store.put(one)
     store.put(two)
     store.put(StoredResponse({"id": "resp_r-c"}, []))
-    assert store.get("resp_r-a") is None and [t.content for t in two.conversation()] == ["a", "b"]
-    with pytest.raises(InvalidParameterError) as bad:
-        ResponseStore(max_entries=0)
-    assert bad.value.param == "max_stored_responses"
+    assert store.get("resp_r-a", None) is None and [t.content for t in two.conversation()] == ["a", "b"]
+    for bad_entries, bad_bytes, param in ((0, 1, "max_stored_responses"), (1, 0, "max_stored_response_bytes")):
+        with pytest.raises(InvalidParameterError) as bad:
+            ResponseStore(max_entries=bad_entries, max_bytes=bad_bytes)
+        assert bad.value.param == param
     service = ResponsesService("here", max_stored=4)
     with pytest.raises(Exception, match="replica there") as other:
-        service.lookup(response_id("there"))
+        service.lookup(response_id("there"), None)
     assert getattr(other.value, "status", None) == 404
+
+
+# ------------------------------------------------------------ bounded and owned (Step 29, item 4)
+AT_LIMIT: dict[str, Any] = {"metadata": {f"{k:02d}" + "k" * 62: f"{k:02d}" + "v" * 510 for k in range(16)},
+                            "user": "u" * 64}
+
+
+@pytest.mark.parametrize(("extra", "param", "says"), [
+    ({"metadata": {str(k): "v" for k in range(17)}}, "metadata", "at most 16 key-value pairs, got 17"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "is 65 characters; the limit is 64"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "the value of 'k' is 513 characters; the limit is 512"),
+    ({"user": "u" * 65}, "user", "65 characters; the limit is 64"),
+    # What a 4 MiB body used to keep: ~35 MiB of Python objects per stored response.
+    ({"metadata": {str(k): "" for k in range(300_000)}}, "metadata", "at most 16 key-value pairs, got 300000"),
+])
+def test_metadata_and_user_past_openais_limits_are_refused_by_name(extra: dict[str, Any], param: str,
+                                                                   says: str) -> None:
+    to_chat(ResponsesRequest.model_validate({"input": "x", **AT_LIMIT}), [])  # the limits themselves pass
+    service = ResponsesService("here")
+    with pytest.raises(InvalidParameterError) as info:
+        service.parse(json.dumps({"input": "x", **extra}).encode(), 8 * 1024 * 1024, None)
+    assert info.value.param == param and says in info.value.message, info.value.message
+
+
+def _stored(rid: str, text: str, parent: StoredResponse | None = None, owner: str | None = None) -> StoredResponse:
+    return StoredResponse({"id": rid, "output": [{"type": "message", "content": [{"text": text}]}]},
+                          [ChatMessage(role="user", content=text)], parent, owner)
+
+
+def test_a_stored_responses_size_counts_what_it_holds() -> None:
+    small, big = _stored("resp_r-s", "x"), _stored("resp_r-b", "x" * 1_000_000)
+    assert 999_999 <= big.size - small.size < 1_000_100  # one copy of the text: the turn and the output share it
+    wide = _stored("resp_r-w", "🙂" * 100_000)  # past the BMP: four bytes a character in memory
+    assert wide.size - small.size >= 400_000
+    meta = StoredResponse({"id": "resp_r-m", **AT_LIMIT}, [])
+    assert meta.size >= 16 * (64 + 512) + 64  # every metadata key and value (all distinct), and the user
+
+
+def test_the_store_is_bounded_by_bytes_counting_parents_its_children_hold() -> None:
+    mib = 1024 * 1024
+    store = ResponseStore(max_entries=100, max_bytes=7 * mib // 2)
+    first = _stored("resp_r-1", "a" * mib)
+    second, third = _stored("resp_r-2", "b" * mib, first), _stored("resp_r-3", "c" * mib, first)
+    for entry in (first, second, third):
+        store.put(entry)
+    assert store.num_bytes == first.size + second.size + third.size  # the shared parent counts once
+    fourth = _stored("resp_r-4", "d" * mib)
+    store.put(fourth)  # 4.2 MiB held: the least recently used go until at most 3.5 MiB is held
+    # Evicting the first frees nothing while its children hold it; evicting the second frees only itself.
+    assert [store.get(e.id, None) for e in (first, second)] == [None, None]
+    assert store.num_bytes == first.size + third.size + fourth.size <= store.max_bytes and len(store) == 2
+    store.delete(third.id, None)  # the last child that held the first: both go
+    assert store.num_bytes == fourth.size
+    store.put(_stored("resp_r-huge", "h" * 4 * mib))  # larger than the bound on its own: nothing keeps it
+    assert store.get("resp_r-huge", None) is None and store.num_bytes == 0 and len(store) == 0
+
+
+def test_a_stored_response_belongs_to_the_key_that_made_it() -> None:
+    auth = ApiKeyAuth(["key-one", "key-two"])
+    one, two = auth.check("Bearer key-one"), auth.check("Bearer key-two")
+    assert one is not None and two is not None and one != two and "key-one" not in one
+    assert ApiKeyAuth([]).check(None) is None  # no keys: every caller is the same one
+    service = ResponsesService("here")
+    made = _stored(response_id("here"), "mine", owner=one)
+    service.store.put(made)
+    assert service.lookup(made.id, one) is made
+    for call in (lambda: service.lookup(made.id, two), lambda: service.delete(made.id, two),
+                 lambda: service.parse(json.dumps({"input": "x", "previous_response_id": made.id}).encode(),
+                                       1 << 20, two)):
+        with pytest.raises(APIError) as info:
+            call()
+        # The same 404 as an unknown id: another key cannot tell that the response exists.
+        assert (info.value.status, info.value.code) == (404, "response_not_found") and made.id in info.value.message
+    assert service.parse(json.dumps({"input": "x", "previous_response_id": made.id}).encode(), 1 << 20,
+                         one).parent is made
+    service.delete(made.id, one)
+    assert service.store.get(made.id, one) is None

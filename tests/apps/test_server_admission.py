@@ -1,4 +1,5 @@
-"""API keys (401 in the OpenAI envelope) and backpressure (429 + Retry-After) on a guarded app.
+"""API keys (401 in the OpenAI envelope), the key that owns a stored response, and backpressure (429 +
+Retry-After) on a guarded app.
 
 The app runs beside the package's default one on the same Ray cluster and
 Serve instance, under the route prefix ``/guarded``, with two keys, a batch
@@ -25,6 +26,12 @@ from tests.serve_harness import ACTOR_NAMESPACE, ENGINE, TIMEOUT, LiveServer, ht
 
 KEYS = ["key-one", "key-two"]
 GOOD = {"Authorization": "Bearer key-two"}
+OTHER = {"Authorization": "Bearer key-one"}
+CAPACITY = 4  # max_num_seqs + max_queued_requests of the guarded app
+UNAUTHORIZED = {"error": {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                          "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+AT_CAPACITY = {"error": {"message": f"this replica is at capacity ({CAPACITY} requests in flight); retry after 1 s",
+                         "type": "invalid_request_error", "param": None, "code": "rate_limit_exceeded"}}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +57,78 @@ def test_requests_without_a_valid_key_get_401(guarded: LiveServer, headers: dict
         status, err = http(f"{guarded.url}{path}", body, headers)
         assert status == 401, (path, err)
         assert err["error"]["code"] == "invalid_api_key" and err["error"]["type"] == "invalid_request_error"
+
+
+def test_responses_embeddings_and_detokenize_without_a_valid_key_get_401(guarded: LiveServer) -> None:
+    """Every endpoint behind the key, a stored response's included: nothing is read, deleted or run."""
+    status, made = http(f"{guarded.url}/v1/responses", {"input": "hi", "max_output_tokens": 1}, GOOD)
+    assert status == 200, made
+    steps = guarded.stats().num_steps
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-two"}):
+        for method, path, body in [
+                ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+                ("POST", "/v1/responses", {"input": "hi", "previous_response_id": made["id"]}),
+                ("GET", f"/v1/responses/{made['id']}", None), ("DELETE", f"/v1/responses/{made['id']}", None),
+                ("POST", "/v1/embeddings", {"input": "hi"}), ("POST", "/detokenize", {"tokens": [1, 2]})]:
+            assert http(f"{guarded.url}{path}", body, headers, method) == (401, UNAUTHORIZED), (method, path)
+    assert guarded.stats().num_steps == steps  # no request reached the engine
+    status, kept = http(f"{guarded.url}/v1/responses/{made['id']}", headers=GOOD)
+    assert status == 200 and kept["id"] == made["id"], kept
+
+
+def test_a_stored_response_belongs_to_the_key_that_made_it(guarded: LiveServer) -> None:
+    """Another key gets the 404 of an unknown id on GET, DELETE and previous_response_id; the owner still has it."""
+    status, made = http(f"{guarded.url}/v1/responses", {"input": "mine", "max_output_tokens": 2}, GOOD)
+    assert status == 200, made
+    rid = made["id"]
+    not_found = {"error": {"message": f"no response with id '{rid}' is stored on this replica for this API key (it "
+                                      "was never made, was made with store=false or another key, was deleted, or "
+                                      "was evicted from the bounded store)",
+                           "type": "invalid_request_error", "param": None, "code": "response_not_found"}}
+    assert http(f"{guarded.url}/v1/responses/{rid}", headers=OTHER) == (404, not_found)
+    assert http(f"{guarded.url}/v1/responses/{rid}", headers=OTHER, method="DELETE") == (404, not_found)
+    continued = {"error": {**not_found["error"], "param": "previous_response_id"}}
+    assert http(f"{guarded.url}/v1/responses", {"input": "go on", "previous_response_id": rid, "max_output_tokens": 1},
+                OTHER) == (404, continued)
+    status, again = http(f"{guarded.url}/v1/responses/{rid}", headers=GOOD)
+    assert status == 200 and again == made, again
+    status, chained = http(f"{guarded.url}/v1/responses", {"input": "go on", "previous_response_id": rid,
+                                                            "max_output_tokens": 1}, GOOD)
+    assert status == 200 and chained["previous_response_id"] == rid, chained
+    assert http(f"{guarded.url}/v1/responses/{rid}", headers=GOOD, method="DELETE") == (
+        200, {"id": rid, "object": "response.deleted", "deleted": True})
+    guarded.assert_pages_free()
+
+
+def test_responses_and_embeddings_get_429_when_admission_is_full(guarded: LiveServer) -> None:
+    """Four long streams hold every slot; the new endpoints are refused with 429 + Retry-After, then served."""
+    hold = {"max_tokens": 2000, "ignore_eos": True, "stream": True}  # far longer than this test
+
+    async def full() -> list[tuple[str, int, dict[str, Any], str | None]]:
+        async with aiohttp.ClientSession(headers=GOOD, timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as s:
+            # Each answer's headers come once its stream is open: then it holds its slot.
+            holders = [await s.post(f"{guarded.url}/v1/completions", json={**hold, "prompt": f"hold {i}"})
+                       for i in range(CAPACITY)]
+            try:
+                assert [h.status for h in holders] == [200] * CAPACITY
+                refused = []
+                for path, body in [("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+                                   ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "stream": True}),
+                                   ("/v1/embeddings", {"input": ["a", "b"]})]:
+                    async with s.post(f"{guarded.url}{path}", json=body) as resp:
+                        refused.append((path, resp.status, await resp.json(), resp.headers.get("Retry-After")))
+                return refused
+            finally:
+                for holder in holders:
+                    holder.close()  # hang up: their requests are aborted
+
+    for path, status, body, retry_after in asyncio.run(full()):
+        assert (status, body, retry_after) == (429, AT_CAPACITY, "1"), path
+    guarded.assert_pages_free()
+    status, body = http(f"{guarded.url}/v1/responses", {"input": "hi", "max_output_tokens": 1}, GOOD)
+    assert status == 200 and body["status"] in ("completed", "incomplete"), body
+    status, body = http(f"{guarded.url}/v1/embeddings", {"input": ["a", "b"]}, GOOD)
+    assert status == 200 and len(body["data"]) == 2, body
 
 
 def test_valid_keys_are_let_in_by_every_client(guarded: LiveServer) -> None:

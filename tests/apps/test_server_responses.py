@@ -15,13 +15,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import jsonschema
 import openai
 import pytest
 
 from cluster.response_ids import replica_tag
 from flotilla import Client
-from tests.serve_harness import ENGINE, LiveServer, app_beside, http
+from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, app_beside, http
 
 FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
         "additionalProperties": False}
@@ -33,6 +34,9 @@ TOOLS: list[Any] = [
 ]
 FORCED = {"type": "function", "name": "get_weather"}
 GREEDY: dict[str, Any] = {"model": "tiny", "temperature": 0}
+# A string of at least 1,500 characters: the grammar forbids the end of the reply for 1,500+ tokens.
+LONG_STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 1500}}, "required": ["story"],
+              "additionalProperties": False}
 MAX_FIRST_TURNS = 40  # with two replicas p2c misses one 40 times in a row with odds 2^-39
 
 
@@ -130,6 +134,23 @@ def test_stored_responses_are_read_deleted_and_not_kept_when_store_is_false(
     live.assert_pages_free()
 
 
+def test_a_client_gone_mid_stream_frees_every_page(live: LiveServer) -> None:
+    steps_before = live.stats().num_steps
+    body = {"input": "Tell a long story", "max_output_tokens": 1900, "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "story", "schema": LONG_STORY}}, **GREEDY}
+    with httpx2.Client(timeout=TIMEOUT) as web, web.stream("POST", f"{live.url}/v1/responses", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line == "event: response.output_text.delta":
+                break  # the reply is being written: now hang up
+        assert live.stats().num_unfinished_requests == 1  # mid-stream: the grammar keeps it going 1,500+ steps
+    live.assert_pages_free(10.0)
+    steps = live.stats().num_steps - steps_before
+    assert steps < 1000, f"{steps} steps ran: the request was not aborted on disconnect"
+    status, answer = http(f"{live.url}/v1/responses", {"input": "hi", "max_output_tokens": 2, **GREEDY})
+    assert status == 200 and answer["status"] in ("completed", "incomplete"), answer
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
@@ -145,6 +166,9 @@ def test_stored_responses_are_read_deleted_and_not_kept_when_store_is_false(
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"model": "nope", "input": "hi"}, "model"),
+    ({"input": "hi", "metadata": {str(k): "v" for k in range(17)}}, "metadata"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
+    ({"input": "hi", "user": "u" * 65}, "user"),
 ])
 def test_bad_requests_are_400s_naming_the_field(live: LiveServer, body: dict[str, Any], param: str) -> None:
     status, reply = http(f"{live.url}/v1/responses", body)

@@ -6,7 +6,8 @@ second one of their scales), so that splitting a step's pages into blocks,
 writing one to bytes, reading it back and joining blocks into pages are a
 few large copies each, not one per layer. Its key is a hash chain over
 page-aligned token blocks, seeded by everything that decides what the KV holds (``block_salt``): the
-model, the request's cache namespace (its adapter too), the model dtype, the
+model's weights (a digest of its files, never its name), the request's cache namespace (with the digest
+of its adapter's files: ``scheduling.lora_slots.cache_namespace``), the model dtype, the
 KV dtype, the page size and the pool layout. Equal keys therefore mean equal
 token prefixes of equal models; the chain makes a block's key depend on
 every token before it, as attention does.

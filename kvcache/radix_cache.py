@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcache.page_allocator import PageAllocator
@@ -198,6 +198,23 @@ class RadixCache:
                 self._remove_leaf(node)
                 freed = self.allocator.num_free_pages - free_before
         return freed
+
+    def evict_namespaces(self, which: Callable[[str | None], bool]) -> int:
+        """Evict every unlocked page of each namespace ``which`` picks (its KV must never be served again).
+
+        Locked nodes stay (a request still reads them). Returns the pages freed, as ``evict`` counts them.
+        """
+        free_before = self.allocator.num_free_pages
+        for namespace in [ns for ns in self._roots if which(ns)]:
+            order, stack = [], [self._roots[namespace]]
+            while stack:  # pre-order: every node before its children
+                node = stack.pop()
+                order.append(node)
+                stack.extend(node.children.values())
+            for node in reversed(order):  # children first, so each node is a leaf by its turn
+                if node.parent is not None and not node.children and node.lock_count == 0:
+                    self._remove_leaf(node)  # its heap entry, if any, is dropped lazily (node.removed)
+        return self.allocator.num_free_pages - free_before
 
     def reset(self) -> int:
         """Evict every unlocked page (ancestors of locked nodes are locked); return the pages freed."""

@@ -17,18 +17,28 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+_LORA_MARK = "\x00lora:"
 NO_LORA = -1  # the slot of a sequence (and of its tokens in ``actors.models.lora``) served by the base model
 
 
-def cache_namespace(namespace: str | None, lora: str | None) -> str | None:
-    """The prefix-cache namespace of a request: KV computed under one adapter never serves another.
+def cache_namespace(namespace: str | None, lora_key: str | None) -> str | None:
+    """The prefix-cache namespace of a request: KV computed under one adapter's weights never serves another.
 
-    Adapter names are printable (``check_lora_name``), so the NUL separator
-    cannot make two (namespace, adapter) pairs collide.
+    ``lora_key`` names the adapter's weights, not the adapter: its files' digest
+    (``actors.load.weights_digest``), so an adapter loaded again from other files
+    under the same name, or another app's adapter of that name, never meets this KV.
+    The tiers' block keys are seeded with this namespace too (``kvcache.kv_blocks.block_salt``).
+    Keys are printable (hex digests; a bare scheduler keys by names, which are printable,
+    ``check_lora_name``), so the NUL separator cannot make two (namespace, adapter) pairs collide.
     """
-    if lora is None:
+    if lora_key is None:
         return namespace
-    return f"{namespace or ''}\x00lora:{lora}"
+    return f"{namespace or ''}{_LORA_MARK}{lora_key}"
+
+
+def is_lora_namespace(cache_ns: str | None, lora_key: str) -> bool:
+    """Whether ``cache_ns`` (a ``cache_namespace``) holds KV computed under adapter weights ``lora_key``."""
+    return cache_ns is not None and cache_ns.endswith(f"{_LORA_MARK}{lora_key}")
 
 
 class LoRASlots:

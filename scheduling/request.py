@@ -94,6 +94,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         stop_rule: StopRule | None = None,
+        lora_key: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -103,8 +104,10 @@ class Request:
         # nor fills the prefix cache, and ends once its prompt is computed (``Scheduler.update``).
         self.pooling: Pooling | None = params.pooling
         self.namespace = namespace
-        # The prefix-cache tree this request reads and fills: its namespace, and its adapter (params.lora).
-        self.cache_namespace = cache_namespace(namespace, params.lora)
+        # The prefix-cache tree this request reads and fills (and the seed of its KV tier keys): its
+        # namespace, and the weights of its adapter (params.lora): ``lora_key``, the digest the engine's
+        # registry has for it; a scheduler without an engine (tests, the simulator) keys by the name.
+        self.cache_namespace = cache_namespace(namespace, lora_key if lora_key is not None else params.lora)
         self.lora_slot: int | None = None  # the LoRA slot it pins while running (``scheduling.lora_slots``)
         self.lora_overtakes = 0  # steps in which later requests were admitted while it waited for a slot
         # When this sequence stops (and its text): the engine passes one with its detokenizer;

@@ -15,7 +15,7 @@ the next step, and handed to the tiers when it returns (``store``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import dataclasses
 import queue
 import shutil
 import threading
@@ -29,21 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import EngineConfig
-from actors.kv_store import RayBlockStore
+from actors.kv_store import RayBlockStore, store_scope
 from actors.load.model_cache import cache_dir
+from actors.load.weights_digest import model_digest
 from actors.log import get_logger
 from kvcache.kv_blocks import BlockKey, block_keys, block_salt
 from kvcache.kv_offload_config import KVOffloadConfig
-from kvcache.kv_tiers import TieredKV
+from kvcache.kv_tiers import TieredKV, sweep_abandoned
 from kvcache.kv_transfer import KVLayout, RankPayloads
 from scheduling.kv_tiers import TierHit
 from scheduling.request import Request, RequestStatus
 from scheduling.scheduler import Scheduler
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
-
-# Save jobs queued on the worker beyond which a step's saved pages are dropped (the tiers lag behind).
-MAX_PENDING_SAVES = 64
 
 
 @dataclass(slots=True)
@@ -99,9 +97,14 @@ class KVOffload:
         if offload.disk_bytes:
             if offload.disk_path is not None:
                 disk_path = Path(offload.disk_path).expanduser()
-            else:  # a folder of this engine's own, removed when it stops
-                disk_path = self._own_disk = cache_dir() / "kv_blocks" / uuid.uuid4().hex[:12]
-        self._store = RayBlockStore(offload.cluster_bytes, max(offload.load_wait_s, 0.1)) if offload.cluster else None
+            else:  # a folder of this engine's own, removed when it stops (or, if it crashes, by the next start)
+                parent = cache_dir() / "kv_blocks"
+                sweep_abandoned(parent)
+                disk_path = self._own_disk = parent / uuid.uuid4().hex[:12]
+        self._store = None
+        if offload.cluster:
+            scope = store_scope(offload.cluster_app, self.model_id)
+            self._store = RayBlockStore(scope, offload.cluster_bytes, max(offload.load_wait_s, 0.1))
         self.tiers = TieredKV(offload, layout, self.world_size, disk_path=disk_path, store=self._store)
         self.scheduler = scheduler
         scheduler.kv.saver = self
@@ -109,10 +112,15 @@ class KVOffload:
         self._loads: dict[str, _Load] = {}
         self._loader = _Worker("kv-tier-loads")
         self._saver = _Worker("kv-tier-saves")
-        self._to_save: deque[tuple[list[BlockKey], RankPayloads]] = deque()  # appended here, taken by the saver
+        # Appended here with their bytes, taken by the saver; ``_pending_bytes`` (under ``_pending_lock``: the
+        # saver lowers it) counts every page handed over and not filed yet, at most ``save_queue_bytes``.
+        self._to_save: deque[tuple[list[BlockKey], RankPayloads, int]] = deque()
+        self.save_queue_bytes = offload.save_queue_bytes
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()
         self.wake: Callable[[], None] = _nothing
         self.load_timeouts = 0  # loads that outlasted load_wait_s (the request computed its prefix)
-        self.dropped_saves = 0  # pages not saved because the tiers lagged behind
+        self.dropped_saves = 0  # pages not saved because the tiers lagged behind (save_queue_bytes)
 
     # ------------------------------------------------------------------ saves
     def select(self, namespace: str | None, token_ids: list[int], first_page: int,
@@ -122,12 +130,16 @@ class KVOffload:
         return [(i, keys[i]) for i in range(first_page, first_page + num_pages) if not known(keys[i])]
 
     def store(self, keys: list[BlockKey], payloads: RankPayloads) -> None:
-        """Hand a step's copied-out pages to the tiers (on the worker)."""
-        if len(self._to_save) >= MAX_PENDING_SAVES:
-            self.dropped_saves += len(keys)
-            return
+        """Hand a step's copied-out pages to the tiers (on the worker); dropped, never waited for, when the
+        pages not filed yet would pass ``save_queue_bytes``."""
+        size = sum(p.nbytes for p in payloads)
+        with self._pending_lock:
+            if self._pending_bytes + size > self.save_queue_bytes:
+                self.dropped_saves += len(keys)
+                return
+            self._pending_bytes += size
         self.tiers.stage(keys, payloads)
-        self._to_save.append((keys, payloads))
+        self._to_save.append((keys, payloads, size))
         self._saver.submit(self._save_queued).add_done_callback(_log_failure)
 
     def _save_queued(self) -> None:
@@ -136,8 +148,13 @@ class KVOffload:
         groups = []
         while self._to_save:
             groups.append(self._to_save.popleft())
-        if groups:
-            self.tiers.save_many(groups)
+        if not groups:
+            return
+        try:
+            self.tiers.save_many([(keys, payloads) for keys, payloads, _ in groups])
+        finally:
+            with self._pending_lock:
+                self._pending_bytes -= sum(size for _, _, size in groups)
 
     def wait_for_saves(self, timeout_s: float = 60.0) -> None:
         """Block until every save handed over so far is filed (what the tests wait on)."""
@@ -196,6 +213,15 @@ class KVOffload:
         with contextlib.suppress(Exception):  # a timeout or a failed load: deliver() sorts it out
             first.future.result(timeout=max(first.deadline - time.monotonic(), 0.0))
 
+    def seconds_to_deadline(self) -> float | None:
+        """How long until the earliest waiting request's ``load_wait_s`` runs out (None: no load waits).
+
+        An idle loop sleeps at most this long: a load that never answers still ends in a recompute.
+        """
+        if not self._loads:
+            return None
+        return max(min(load.deadline for load in self._loads.values()) - time.monotonic(), 0.0)
+
     @property
     def has_loads(self) -> bool:
         return bool(self._loads)
@@ -213,8 +239,9 @@ class KVOffload:
         self._saver.stop(5.0)
         if self._store is not None:
             self._store.close()
-        if self._own_disk is not None:
+        if self._own_disk is not None:  # removed while still locked: no sweep of another engine races it
             shutil.rmtree(self._own_disk, ignore_errors=True)
+        self.tiers.close()
 
     def _salt(self, namespace: str | None) -> bytes:
         salt = self._salts.get(namespace)
@@ -224,13 +251,13 @@ class KVOffload:
 
 
 def model_identity(config: EngineConfig, model_path: Path) -> str:
-    """What names the weights in a block key: the model as configured, its quantization, its config file's hash.
+    """What names the weights in a block key: the digest of the model's files, and how they are quantized.
 
-    Not its path: replicas on other nodes load the same model from other folders.
+    Not its path nor its ``model`` setting: replicas on other nodes load the same model from other
+    folders, and a fine-tune copied over the old files at the same path (with the same ``config.json``)
+    must not meet the old weights' blocks on disk or in the cluster store.
     """
-    config_file = model_path / "config.json"
-    digest = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16] if config_file.is_file() else "-"
-    return f"{config.model}|{config.quantization}|{config.quantization_group_size}|{digest}"
+    return f"{model_digest(model_path)}|{config.quantization}|{config.quantization_group_size}"
 
 
 def _nothing() -> None:
@@ -241,3 +268,12 @@ def _log_failure(future: Future[Any]) -> None:
     exc = future.exception()
     if exc is not None:
         logger.error("saving KV blocks to the tiers failed: %r", exc)
+
+
+def scoped_to_app(config: EngineConfig, app: str) -> EngineConfig:
+    """``config`` with its cluster KV tier in ``app``'s stores (a Serve replica's; ``flotilla kv drop`` drops
+    them); unchanged without a cluster tier or where ``cluster_app`` is set already."""
+    offload = config.kv_offload
+    if offload is None or not offload.cluster or offload.cluster_app is not None:
+        return config
+    return dataclasses.replace(config, kv_offload=dataclasses.replace(offload, cluster_app=app))

@@ -20,8 +20,10 @@ from cli.main import main
 from kvcache.kv_blocks import KEY_BYTES
 from kvcache.kv_tiers import StoreState
 from tests.actors.checkpoints import write_llama_with_tokenizer
+from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
 from tests.actors.test_kv_offload import (
     ENGINE,
+    GREEDY,
     PROMPTS,
     _assert_all_free,
     _cached,
@@ -160,3 +162,46 @@ def test_no_ray_lookup_holds_the_lock(ray_cluster: None, monkeypatch: pytest.Mon
     monkeypatch.undo()
     client.close()
     assert main(["kv", "drop", "--app", "app-lock"]) == 0
+
+
+def test_an_adapter_of_the_same_name_and_other_weights_gets_no_block_from_the_store(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """Two engines of one app on the node, each with an adapter named ``a`` of other weights: the second gets
+    no block of the first's ``a`` from the cluster store (before, blocks were keyed by the adapter's name and
+    served), nor does its base model; the first's files under another name get every full page."""
+    model = write_llama_with_tokenizer(tmp_path / "model", seed=7)  # weights whose blocks no other test stored
+    one, two = (make_peft_adapter(model, tmp_path / name, targets=PROJECTION_SETS["all"], rank=8, alpha=16,
+                                  seed=seed) for seed, name in enumerate(("one", "two")))  # fmt: skip
+    engine = {**ENGINE, "enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+    prompt = PROMPTS[3]
+    full_pages = (len(prompt) - 1) // 16 * 16
+
+    def run(llm: LLM, lora: str | None) -> tuple[list[int], int]:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False, lora=lora)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    plain = LLM(model=str(model), **engine)
+    plain.load_lora("one", str(one))
+    plain.load_lora("two", str(two))
+    want = {name: run(plain, None if name == "base" else name)[0] for name in ("one", "two", "base")}
+    assert len({tuple(tokens) for tokens in want.values()}) == 3
+    plain.shutdown()
+
+    first = LLM(model=str(model), kv_offload=CLUSTER, **engine)
+    first.load_lora("a", str(one))
+    assert run(first, "a") == (want["one"], 0)
+    assert first.engine.offload is not None
+    first.engine.offload.wait_for_saves()
+    first.shutdown()
+
+    second = LLM(model=str(model), kv_offload=CLUSTER, **engine)
+    second.load_lora("a", str(two))
+    second.load_lora("c", str(one))
+    assert run(second, "a") == (want["two"], 0)
+    assert run(second, None) == (want["base"], 0)  # nor does the base get the adapter's blocks
+    assert _tier(second.engine, "cluster")["hits"] == 0
+    assert run(second, "c") == (want["one"], full_pages)  # the first's "a", under another name
+    assert _tier(second.engine, "cluster")["hits"] == full_pages // 16
+    _assert_all_free(second.engine)
+    second.shutdown()

@@ -308,3 +308,28 @@ def test_lock_match_of_whole_keys_splits_nothing() -> None:
     assert locked.node is match.node and cache.num_locked_pages == 3
     cache.unlock(locked.node)
     cache.check_integrity()
+
+
+def test_evicting_namespaces_drops_their_unlocked_pages_only() -> None:
+    """An unloaded adapter's trees go at once (``evict_namespaces``): every unlocked page of the namespaces
+    picked is freed, a locked path stays whole, other namespaces are untouched."""
+    alloc, cache = make()
+    for ns in ("x", "y", None):
+        put(alloc, cache, seq(0, 16), ns)
+        put(alloc, cache, seq(0, 8) + seq(50, 8), ns)  # a branch off the first
+    put(alloc, cache, seq(100, 8), "x2")
+    held = cache.lock_match(cache.match_prefix(seq(0, 13), "y"))  # 3 pages of y's trunk in use
+    before = cache.num_cached_pages
+    freed = cache.evict_namespaces(lambda ns: ns in ("x", "y"))
+    cache.check_integrity()
+    alloc.check_integrity()
+    assert freed == 6 + 3 and cache.num_cached_pages == before - freed  # x whole; y but its locked 3 pages
+    assert cache.match_prefix(seq(0, 17), "x").num_tokens == 0
+    assert cache.match_prefix(seq(0, 17), "y").num_tokens == 12
+    assert cache.match_prefix(seq(0, 17)).num_tokens == 16 and cache.match_prefix(seq(100, 9), "x2").num_tokens == 8
+    cache.unlock(held.node)
+    assert cache.evict_namespaces(lambda ns: ns == "y") == 3
+    assert cache.match_prefix(seq(0, 17), "y").num_tokens == 0
+    cache.check_integrity()
+    assert cache.evict(100) == 6 + 2  # the eviction heap still works over what is left (and the stale entries)
+    cache.check_integrity()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actors.models.lora import LoRAStep
-from scheduling.lora_slots import NO_LORA, LoRASlots, cache_namespace
+from scheduling.lora_slots import NO_LORA, LoRASlots, cache_namespace, is_lora_namespace
 
 
 def test_resident_adapters_share_slots_and_each_fill_is_loaded_once() -> None:
@@ -54,6 +54,10 @@ def test_cache_namespaces_keep_adapters_apart() -> None:
     assert cache_namespace(None, None) is None and cache_namespace("t", None) == "t"
     keys = {cache_namespace(ns, lora) for ns in (None, "t", "a") for lora in (None, "a", "t")}
     assert len(keys) == 9
+    # An adapter's namespaces, in every tenant's namespace, and no other's (the pages its unload drops).
+    for ns in (None, "t", "a"):
+        assert is_lora_namespace(cache_namespace(ns, "a"), "a")
+        assert not is_lora_namespace(cache_namespace(ns, "ba"), "a") and not is_lora_namespace(ns, "a")
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -3,8 +3,11 @@
 The OpenAI ``model`` field picks the adapter: the served model's name is the
 base model, any other name must be in the application's catalog
 (``LoRACatalog``: adapter name -> folder). The catalog is filled from
-``lora_modules`` at start-up (every replica registers them; the same name
-with another folder is refused) and by ``POST /v1/load_lora_adapter``.
+``lora_modules`` at start-up (every replica registers them; a deployment's
+``lora_modules`` replace the previous deployment's, see ``LoRACatalog.configure``)
+and, only with ``runtime_lora_updates``, by ``POST /v1/load_lora_adapter``.
+Folders are kept normalised (``lora_folder``), so ``/x/a/`` and ``/x/a`` are
+one adapter, loaded once.
 A replica loads an adapter into its engine the first time a request for it
 arrives there (the router prefers replicas that have it: see
 ``cluster.request_router``), so adding a replica costs no loads up front.
@@ -23,11 +26,21 @@ The catalog is a detached named Ray actor per Serve application, so it
 outlives any one replica (a replica restarted by Serve finds it); it stays
 after ``serve delete`` and is reused by the next deployment of that name.
 Adapter folders must be readable at the same path on every node.
+
+Runtime loading and unloading are admin operations: off unless the app is
+started with ``runtime_lora_updates`` (``flotilla serve
+--runtime-lora-updates``), and then behind the API key when keys are set.
+Off, both endpoints answer 404, as a server without them would (vLLM
+registers them only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): the server
+has no such operation, and no credential opens it, which a 403 would suggest.
+The message names the option an operator sets. No answer carries a server
+folder (``/v1/models`` lists names).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
 
@@ -44,11 +57,36 @@ from scheduling.sampling_params import check_lora_name
 CATALOG_NAMESPACE = "flotilla"
 
 
+def lora_folder(path: str) -> str:
+    """``path`` absolute and normalised (``/x/a/``, ``/x/./a`` -> ``/x/a``; relative to this process's cwd).
+
+    The catalog and each replica compare folders as strings: one spelling per
+    folder keeps an adapter from being reloaded on every request.
+    """
+    return os.path.abspath(path)
+
+
 class LoRACatalog:
     """Adapter name -> folder, for one application (run as a detached Ray actor)."""
 
     def __init__(self) -> None:
         self.paths: dict[str, str] = {}
+        self.configured: dict[str, str] = {}  # the lora_modules of the latest deployment
+
+    def configure(self, modules: dict[str, str]) -> None:
+        """Make ``modules`` (a deployment's ``lora_modules``) the configured adapters.
+
+        The catalog outlives the app, so a redeploy meets the previous
+        deployment's entries: a name it configured that ``modules`` lacks is
+        dropped (unless loaded at run time since with another folder), and
+        every name of ``modules`` points at its folder, replacing what the
+        name held. Idempotent: every replica of a deployment calls it.
+        """
+        for name, path in self.configured.items():
+            if name not in modules and self.paths.get(name) == path:
+                del self.paths[name]
+        self.paths.update(modules)
+        self.configured = dict(modules)
 
     def add(self, name: str, path: str) -> bool:
         """Register ``name``; False (and nothing changes) if it is registered with another folder."""
@@ -74,6 +112,8 @@ _RemoteCatalog = ray.remote(LoRACatalog)
 class CatalogHandle(Protocol):
     """What a replica calls on its catalog (the Ray actor, or an in-process one in tests)."""
 
+    def configure(self, modules: dict[str, str]) -> Awaitable[None]: ...
+
     def add(self, name: str, path: str) -> Awaitable[bool]: ...
 
     def remove(self, name: str) -> Awaitable[bool]: ...
@@ -93,6 +133,9 @@ class ActorCatalog:
             get_if_exists=True, num_cpus=0,
         ).remote())  # fmt: skip
 
+    def configure(self, modules: dict[str, str]) -> Awaitable[None]:
+        return self.actor.configure.remote(modules)
+
     def add(self, name: str, path: str) -> Awaitable[bool]:
         return self.actor.add.remote(name, path)
 
@@ -106,31 +149,32 @@ class ActorCatalog:
         return self.actor.items.remote()
 
     def register_now(self, modules: dict[str, str]) -> None:
-        """Put ``lora_modules`` in the catalog, waiting (a replica's constructor is synchronous).
+        """Make ``lora_modules`` the catalog's configured adapters, waiting (a replica's constructor is synchronous)."""
+        ray.get(self.actor.configure.remote(checked_modules(modules)))
 
-        Idempotent: every replica registers the same modules. A name the
-        catalog holds with another folder is refused.
-        """
-        for name, path in modules.items():
-            check_lora_name(name, "lora_modules")
-            if not isinstance(path, str) or not path:
-                raise InvalidParameterError("lora_modules", f"adapter {name!r}: the folder must be a path")
-            if not ray.get(self.actor.add.remote(name, path)):
-                raise InvalidParameterError(
-                    "lora_modules", f"adapter {name!r} is already registered with another folder"
-                )
+
+def checked_modules(modules: dict[str, str]) -> dict[str, str]:
+    """``lora_modules`` with each name checked and each folder normalised; a bad entry names ``lora_modules``."""
+    out: dict[str, str] = {}
+    for name, path in modules.items():
+        check_lora_name(name, "lora_modules")
+        if not isinstance(path, str) or not path:
+            raise InvalidParameterError("lora_modules", f"adapter {name!r}: the folder must be a path")
+        out[name] = lora_folder(path)
+    return out
 
 
 class ReplicaLoRAs:
     """One replica's view: which adapters its engine has, loading them from the catalog on demand."""
 
     def __init__(self, scheduler: SchedulerHandle, catalog: CatalogHandle | None, base_name: str,
-                 record: Callable[[str, float], None] | None = None) -> None:
+                 record: Callable[[str, float], None] | None = None, *, runtime_updates: bool = False) -> None:
         self.scheduler = scheduler
         self._record = record or (lambda name, value: None)  # metrics: lora_resident_hits / lora_loads
         self.catalog = catalog  # None: the engine runs without LoRA
         self.base_name = base_name
-        self.loaded: dict[str, LoRAInfo] = {}
+        self.runtime_updates = runtime_updates  # POST /v1/load_lora_adapter and unload are open
+        self.loaded: dict[str, str] = {}  # adapter -> the (normalised) folder this engine loaded it from
         self._loading: dict[str, asyncio.Lock] = {}
 
     async def resolve(self, model: str | None) -> str | None:
@@ -141,12 +185,13 @@ class ReplicaLoRAs:
         lock = self._loading.setdefault(model, asyncio.Lock())
         async with lock:  # concurrent first requests load it once
             held = self.loaded.get(model)
-            if held is not None and held.path == path:
+            if held == path:
                 self._record("lora_resident_hits", 1)
                 return model
-            if held is not None:  # unloaded and registered again with another folder
+            if held is not None:  # registered again (or redeployed) with another folder
                 await self._unload_here(model)
-            self.loaded[model] = await self.scheduler.add_lora(model, path)
+            await self.scheduler.add_lora(model, path)
+            self.loaded[model] = path
             self._record("lora_loads", 1)
         return model
 
@@ -165,12 +210,14 @@ class ReplicaLoRAs:
 
     async def load(self, name: str, path: str) -> LoRAInfo:
         """``POST /v1/load_lora_adapter``: checked by loading it here, then registered app-wide."""
+        self.check_runtime_updates()
         check_lora_name(name, "lora_name")
         catalog = self._catalog()
         if name == self.base_name or name in await catalog.items():
             raise InvalidParameterError("lora_name", f"the name {name!r} is already in use")
+        path = lora_folder(path)
         info = await self.scheduler.add_lora(name, path)
-        self.loaded[name] = info
+        self.loaded[name] = path
         if not await catalog.add(name, path):  # another replica registered it meanwhile
             await self._unload_here(name)
             raise InvalidParameterError("lora_name", f"the name {name!r} is already in use")
@@ -178,6 +225,7 @@ class ReplicaLoRAs:
 
     async def unload(self, name: str) -> None:
         """``POST /v1/unload_lora_adapter``: out of the catalog now, out of this engine once its requests end."""
+        self.check_runtime_updates()
         if not await self._catalog().remove(name):
             raise APIError(404, f"no adapter named {name!r} is loaded", param="lora_name", code="model_not_found")
         await self._unload_here(name)
@@ -190,13 +238,19 @@ class ReplicaLoRAs:
         for name in [n for n in self.loaded if n not in listed]:
             await self._unload_here(name)
 
-    async def cards(self) -> dict[str, str]:
-        """Every adapter of the application: name -> folder."""
-        return {} if self.catalog is None else await self.catalog.items()
+    async def names(self) -> list[str]:
+        """Every adapter of the application, sorted (never their folders: they are the server's)."""
+        return [] if self.catalog is None else sorted(await self.catalog.items())
 
     async def _unload_here(self, name: str) -> None:
         if self.loaded.pop(name, None) is not None:
             await self.scheduler.remove_lora(name)
+
+    def check_runtime_updates(self) -> None:
+        """404 unless the application was started with ``runtime_lora_updates`` (see the module docstring)."""
+        if not self.runtime_updates:
+            raise APIError(404, "loading and unloading adapters at run time is off: start the application "
+                                "with runtime_lora_updates (flotilla serve --runtime-lora-updates)")  # fmt: skip
 
     def _catalog(self) -> CatalogHandle:
         if self.catalog is None:

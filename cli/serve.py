@@ -76,6 +76,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="serve LoRA adapters (implied by --lora-modules; docs/lora.md)")
     sp.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="PEFT adapters served by name: the request's model field picks one")
+    sp.add_argument("--runtime-lora-updates", action="store_true", default=None,
+                    help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key "
+                         "when set; default: both 404)")
     sp.add_argument("--max-loras", type=int, default=None, help="adapters in one step (device slots; default 4)")
     sp.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
     sp.add_argument("--max-cpu-loras", type=int, default=None,
@@ -100,8 +103,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="per replica, beyond --max-num-seqs; more are answered 429 (default 256)")
     sp.add_argument("--pd", default=None, metavar="JSON",
                     help='prefill/decode disaggregation: \'{"prefill": {"cpu_threads": 1}, "decode": {"cpu_threads": 1}, '
-                         '"remote_prefill_min_tokens": 512}\' (each pool: engine fields and num_replicas / '
-                         "autoscaling; docs/disaggregation.md)")
+                         '"remote_prefill_min_tokens": 512, "remote_prefill_timeout_s": 60}\' (each pool: engine '
+                         "fields and num_replicas / autoscaling; docs/disaggregation.md)")
     add_elastic_arguments(sp)
     sp.set_defaults(func=_serve)
     return sp
@@ -167,8 +170,13 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
             raise InvalidParameterError("lora_modules", f"expected NAME=PATH, got {item!r}")
         if name in modules:
             raise InvalidParameterError("lora_modules", f"adapter {name!r} is given twice")
-        modules[name] = path
+        modules[name] = os.path.abspath(path)  # ./a means the folder beside the user, not the replica's cwd
     return modules
+
+
+# The keys of --pd: apps.disaggregation's POOLS and REMOTE_OPTIONS, spelled out because that module imports
+# Ray Serve and the parser stays light (tests/cli/test_serve.py checks that the two agree).
+PD_KEYS = ("prefill", "decode", "remote_prefill_min_tokens", "remote_prefill_timeout_s")
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -186,6 +194,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         out["executor"] = "ray"
     if args.lora_modules:
         out["lora_modules"] = parse_lora_modules(args.lora_modules)
+    if args.runtime_lora_updates:
+        out["runtime_lora_updates"] = True
     if args.served_model_name:
         out["served_model_name"] = args.served_model_name
     if args.api_keys:
@@ -193,8 +203,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_queued_requests is not None:
         out["max_queued_requests"] = args.max_queued_requests
     if args.pd is not None:
-        out["pd"] = parse_json_object(args.pd, "pd", ("prefill", "decode", "remote_prefill_min_tokens",
-                                                      "remote_prefill_timeout_s"), "key")
+        out["pd"] = parse_json_object(args.pd, "pd", PD_KEYS, "key")
     scheduler: dict[str, Any] = {}
     if args.num_gpus:
         scheduler["num_gpus"] = args.num_gpus

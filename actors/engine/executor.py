@@ -53,6 +53,13 @@ class Executor(ABC):
         """Forget an adapter on every shard (no step uses it any more); this default holds none to forget."""
         return None
 
+    def prepare_loras(self, names: list[str]) -> dict[str, str]:
+        """Have the next step's adapter loads read on every shard, before the step; adapter -> why one failed.
+
+        Called only for a step that writes adapters into slots (``Batch.lora_loads``). This default holds none.
+        """
+        return {}
+
     def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
         """Per MoE layer, per expert, the tokens routed to it since the shards loaded (``ModelRunner.expert_tokens``).
 
@@ -93,6 +100,9 @@ class LocalExecutor(Executor):
 
     def remove_lora(self, name: str) -> None:
         self.runner.remove_lora(name)
+
+    def prepare_loras(self, names: list[str]) -> dict[str, str]:
+        return self.runner.prepare_loras(names)
 
     def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
         return self.runner.expert_tokens()

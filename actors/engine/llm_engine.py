@@ -71,6 +71,9 @@ class LLMEngine:
         # masks, the forward, or finish_step before the update), until fail_step/fail_all settles
         # it: its scheduler bookkeeping is still open and its requests' state unknown.
         self._failed_batch: Batch | None = None
+        # Final deltas of requests ended while a step was planned (an adapter that could not be read):
+        # they go out with that step's.
+        self._ended_in_planning: list[SequenceDelta] = []
         # Seconds spent in executor.execute, summed over steps (the forward as the engine waits for it:
         # with shards on other actors, their round trip too). Per step against engine steps, it shows
         # what the serving path around the engine costs the forward (flotilla bench serve / offline).
@@ -122,7 +125,7 @@ class LLMEngine:
         """
         if request_id in self._groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
-        self.loras.check(params)
+        lora_key = self.loras.check(params)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad:
@@ -145,7 +148,7 @@ class LLMEngine:
                     child_params = _with_seed(params, params.seed + i)
                 sid = request_id if params.n == 1 else f"{request_id}#{i}"
                 stop = StopRule(child_params, self.eos_token_id, IncrementalDetokenizer(self.tokenizer, ids))
-                req = Request(sid, ids, child_params, namespace=namespace, stop_rule=stop)
+                req = Request(sid, ids, child_params, namespace=namespace, stop_rule=stop, lora_key=lora_key)
                 # Siblings start from the first one's prompt pages: computed once.
                 self.scheduler.add(req, share_prompt_with=children[0] if children else None)
                 children.append(sid)
@@ -176,7 +179,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Abort every sequence of a request; returns their final deltas."""
-        return self._end_group(request_id, "abort", None)
+        deltas = self._end_group(request_id, "abort", None)
+        self.loras.finish_unloads()  # an idle engine runs no step that would: its last request may be this one
+        return deltas
 
     def fail_step(self, message: str) -> list[SequenceDelta]:
         """After a step failed (``has_failed_step``): end the failed step's requests.
@@ -190,13 +195,13 @@ class LLMEngine:
         """
         batch, self._failed_batch = self._failed_batch, None
         if batch is None:
-            return []
+            return self._take_ended_in_planning()
         groups = dict.fromkeys(
             self._seqs[r.request_id].request_id
             for r in self.scheduler.requests_in_step(batch.step)
             if r.request_id in self._seqs  # not aborted while the step ran
         )
-        deltas = [d for rid in groups for d in self._end_group(rid, "error", message)]
+        deltas = self._take_ended_in_planning() + [d for rid in groups for d in self._end_group(rid, "error", message)]
         self._settle(batch)
         return deltas
 
@@ -207,7 +212,8 @@ class LLMEngine:
         with ``kv_lost`` (the shards that held the KV pool died) the prefix
         cache is emptied too, since its pages no longer hold valid KV.
         """
-        deltas = [d for rid in list(self._groups) for d in self._end_group(rid, "error", message)]
+        deltas = self._take_ended_in_planning()
+        deltas += [d for rid in list(self._groups) for d in self._end_group(rid, "error", message)]
         batch, self._failed_batch = self._failed_batch, None
         if batch is not None:
             self._settle(batch)
@@ -287,6 +293,12 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.deliver()
         batch = self.scheduler.schedule()
+        if batch is not None and batch.lora_loads:
+            try:
+                batch = self._prepare_loras(batch)
+            except BaseException:
+                self._failed_batch = batch  # settled by fail_step() or fail_all(), as a failed forward
+                raise
         if batch is None or not len(self.grammar_states):
             return batch
         start = time.perf_counter()
@@ -301,6 +313,26 @@ class LLMEngine:
         finally:
             self.grammar_seconds_total += time.perf_counter() - start
         return batch if masks is None else replace(batch, token_masks=masks)
+
+    def _prepare_loras(self, batch: Batch) -> Batch:
+        """Read the step's adapter loads before it runs; an adapter that fails ends only its own requests."""
+        failed = self.loras.prepare(batch)
+        if not failed:
+            return batch
+        requests = self.scheduler.requests
+        for name, why in failed.items():
+            ended = [rid for rid, sids in self._groups.items()
+                     if any(requests[s].params.lora == name for s in sids if s in requests)]  # fmt: skip
+            for rid in ended:
+                self._ended_in_planning += self._end_group(rid, "error", f"LoRA adapter {name!r} could not be "
+                                                                         f"loaded: {why}")  # fmt: skip
+            self.loras.unassign(name)
+        assert batch.lora_loads is not None
+        return replace(batch, lora_loads=[(s, n) for s, n in batch.lora_loads if n not in failed] or None)
+
+    def _take_ended_in_planning(self) -> list[SequenceDelta]:
+        deltas, self._ended_in_planning = self._ended_in_planning, []
+        return deltas
 
     def execute(self, batch: Batch) -> StepOutput:
         """Run a planned step on the executor; touches no request state."""
@@ -329,7 +361,8 @@ class LLMEngine:
             if self.scheduler.is_in_flight(batch.step):  # failed before update took it: fail_* settles it
                 self._failed_batch = batch
             raise
-        deltas: list[SequenceDelta] = self._pool(batch, output, update.pooled) if update.pooled else []
+        deltas = self._take_ended_in_planning()
+        deltas += self._pool(batch, output, update.pooled) if update.pooled else []
         refused: list[str] = []
         for req, tokens, row, text in update.sampled:
             seq = self._seqs[req.request_id]

@@ -5,6 +5,11 @@ names it in ``SamplingParams.lora``. Unloading stops new requests for the
 adapter at once and forgets it when none is queued or running and no step
 is in flight (``finish_unloads``, after each step): requests already in the
 engine finish with the adapter they started with.
+
+Cached KV knows an adapter by its weights, not its name: ``check`` hands each
+request its adapter's digest (``actors.load.weights_digest``), which keys the
+prefix cache and the KV tiers (``scheduling.lora_slots.cache_namespace``), and an
+adapter forgotten drops its pages from the prefix cache.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from collections import Counter
 from actors.config import EngineConfig
 from actors.engine.executor import Executor
 from actors.runner.lora_manager import LoRAInfo
+from scheduling.batch import Batch
 from scheduling.errors import InvalidParameterError
+from scheduling.lora_slots import is_lora_namespace
 from scheduling.sampling_params import SamplingParams, check_lora_name
 from scheduling.scheduler import Scheduler
 
@@ -32,6 +39,7 @@ class LoRARegistry:
         self.executor = executor
         self.scheduler = scheduler
         self.adapters: dict[str, LoRAInfo] = {}
+        self.keys: dict[str, str] = {}  # adapter -> the digest of its files, what its cached KV is keyed by
         self.unloading: set[str] = set()
         self.load_seconds: dict[str, float] = {}  # how long each adapter took to load (metrics)
         self.requests = Counter[str]()  # requests admitted per adapter (metrics)
@@ -45,9 +53,10 @@ class LoRARegistry:
         if not isinstance(path, str) or not path:
             raise InvalidParameterError("lora_path", f"must be a folder path, got {path!r}")
         start = time.perf_counter()
-        info = self.executor.add_lora(name, path)
+        info = self.executor.add_lora(name, path)  # the shards digest the files they read (``info.key``)
         self.load_seconds[name] = time.perf_counter() - start
         self.adapters[name] = info
+        self.keys[name] = info.key
         return info
 
     def remove(self, name: str) -> None:
@@ -61,16 +70,18 @@ class LoRARegistry:
         """The adapters new requests may name."""
         return [n for n in self.adapters if n not in self.unloading]
 
-    def check(self, params: SamplingParams) -> None:
-        """Refuse a request for an adapter that is not loaded (or is unloading)."""
+    def check(self, params: SamplingParams) -> str | None:
+        """Refuse a request for an adapter that is not loaded (or is unloading); else its adapter's
+        ``lora_key`` (``scheduling.request.Request``), None for the base model."""
         name = params.lora
         if name is None:
-            return
+            return None
         if not self.enabled:
             raise InvalidParameterError("lora", "this engine serves no LoRA adapters (enable_lora=False)")
         if name not in self.adapters or name in self.unloading:
             raise UnknownLoRAError("lora", f"no adapter named {name!r} is loaded")
         self.requests[name] += 1
+        return self.keys[name]
 
     def finish_unloads(self) -> None:
         """Forget each unloading adapter no request uses, when no step is in flight (its batch may load it)."""
@@ -82,6 +93,31 @@ class LoRARegistry:
             self.executor.remove_lora(name)
             del self.adapters[name]
             self.unloading.discard(name)
+            self._drop_cached(self.keys.pop(name))
+
+    def _drop_cached(self, key: str) -> None:
+        # A forgotten adapter's KV is never served again: the same name may come back with other weights
+        # (then under another key, so the tiers' blocks are out of reach too), and its pages serve no one
+        # meanwhile. Kept while another loaded name has the same weights: their requests may read them.
+        cache = self.scheduler.cache
+        if cache is not None and key not in self.keys.values():
+            cache.evict_namespaces(lambda ns: is_lora_namespace(ns, key))
+
+    def prepare(self, batch: Batch) -> dict[str, str]:
+        """Have a planned step's adapter loads read on the shards before it runs; adapter -> why one failed.
+
+        An adapter evicted from the shards' host cache is read from its folder
+        again here, not in the forward, so a folder gone bad fails that
+        adapter's requests (``LLMEngine``), not the whole step.
+        """
+        assert batch.lora_loads, "only a step that writes adapters into slots has loads to prepare"
+        return self.executor.prepare_loras(list(dict.fromkeys(name for _, name in batch.lora_loads)))
+
+    def unassign(self, name: str) -> None:
+        """``name`` was not written into the slot it was given (its requests have ended): free the slot,
+        so that its next request loads it again rather than reading the slot's stale weights."""
+        if self.scheduler.lora is not None:
+            self.scheduler.lora.forget(name)
 
     def shards_restarted(self) -> None:
         """The shards were rebuilt with empty LoRA slots: every adapter must be written again when used."""

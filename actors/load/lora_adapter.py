@@ -5,8 +5,8 @@ of shape ``(r, in_features)`` and ``...lora_B.weight`` of shape
 ``(out_features, r)``; the module's output gains ``scaling * x @ A^T @ B^T``
 with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
 ``use_rslora``). What flotilla serves: LoRA (``peft_type`` LORA) on any of the
-Llama family's seven projections (``LORA_TARGETS``), rank up to the engine's
-``max_lora_rank``. Anything else an adapter may carry (DoRA, trained biases,
+Llama family's seven projections or Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` (``LORA_TARGETS``), rank up to the engine's ``max_lora_rank``. Anything else an adapter may carry (DoRA, trained biases,
 ``modules_to_save``, per-module rank or alpha patterns, ``fan_in_fan_out``,
 embedding or head targets) changes what the model computes in ways these
 layers do not implement, so it is refused by name rather than ignored.
@@ -14,6 +14,12 @@ layers do not implement, so it is refused by name rather than ignored.
 Every refusal is an ``InvalidParameterError`` naming ``lora_path`` (the
 file is missing, malformed or unsupported, or was trained on another base)
 or ``max_lora_rank`` (the adapter's rank is above it): the API answers 400.
+
+Files are sized before they are read: ``adapter_config.json`` above
+``MAX_CONFIG_BYTES``, or weights larger than any adapter of rank up to
+``max_lora_rank`` on the base model's shapes could be (``max_weight_bytes``,
+from ``LoRAManager``), are refused naming the adapter, so an admin request
+cannot make a replica read a huge file into memory.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 from safetensors import SafetensorError
@@ -32,6 +39,12 @@ from scheduling.errors import InvalidParameterError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes a few hundred bytes; a long target_modules list stays far below
+# Widest element a safetensors tensor may have (F64): the bound holds whatever dtype the adapter was saved in.
+_MAX_ELEMENT_BYTES = 8
+# The safetensors header: its 8-byte length, then JSON of about 150 bytes per tensor plus optional metadata.
+_HEADER_BYTES_PER_TENSOR = 512
+_HEADER_BYTES_BASE = 64 << 10
 # HF module name -> where its weights live in our fused layers: (our module name, part).
 LORA_TARGETS: dict[str, tuple[str, str | int | None]] = {
     "q_proj": ("self_attn.qkv_proj", "q"),
@@ -41,8 +54,14 @@ LORA_TARGETS: dict[str, tuple[str, str | int | None]] = {
     "gate_proj": ("mlp.gate_up_proj", 0),
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", None),
+    # Phi-3's checkpoint fuses q/k/v and gate/up, and its adapters name the fused modules: part None is the
+    # whole fused output, split into the layer's parts once its sizes are known (``LoRAManager``).
+    "qkv_proj": ("self_attn.qkv_proj", None),
+    "gate_up_proj": ("mlp.gate_up_proj", None),
 }
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# A mixture-of-experts layer's experts (Qwen's mlp.experts.N / mlp.shared_expert, Mixtral's block_sparse_moe).
+_EXPERT_KEY = re.compile(r"^base_model\.model\.model\.layers\.\d+\.(mlp|block_sparse_moe)\.(experts|shared_expert)\.")
 _UNSUPPORTED = {  # adapter_config.json key -> why it cannot be honoured (when set)
     "use_dora": "DoRA adapters (use_dora)",
     "modules_to_save": "modules_to_save (fully trained copies of modules)",
@@ -84,11 +103,47 @@ def _refuse(path: Path, why: str) -> InvalidParameterError:
     return InvalidParameterError("lora_path", f"adapter {str(path)!r}: {why}")
 
 
-def read_adapter(name: str, path: str | Path, *, max_rank: int, num_layers: int) -> LoRAAdapter:
-    """Read and check the PEFT adapter in folder ``path`` (shapes are checked against the model later)."""
+def weight_bytes_bound(dims: list[tuple[int, int]], max_rank: int) -> int:
+    """The largest ``adapter_model.safetensors`` an adapter of rank <= ``max_rank`` can be.
+
+    ``dims``: the (in, out) features of every part an adapter may target (each
+    layer's q, k, v, o, gate, up, down): each holds ``lora_A`` (r, in) and
+    ``lora_B`` (out, r).
+    """
+    weights = sum(i + o for i, o in dims) * max_rank * _MAX_ELEMENT_BYTES
+    return weights + _HEADER_BYTES_BASE + 2 * len(dims) * _HEADER_BYTES_PER_TENSOR
+
+
+def _size(file: Path, name: str, limit: int | None) -> None:
+    """Refuse ``file`` unless it is a regular file of at most ``limit`` bytes (nothing is read)."""
+    try:
+        stat = file.stat()
+    except FileNotFoundError:
+        return  # the read that follows names the missing file
+    except OSError as e:
+        raise InvalidParameterError("lora_path", f"adapter {name!r}: {file.name} cannot be read: "
+                                                 f"{e.strerror}") from None  # fmt: skip
+    if not S_ISREG(stat.st_mode):
+        raise InvalidParameterError("lora_path", f"adapter {name!r}: {file.name} is not a regular file")
+    if limit is not None and stat.st_size > limit:
+        # The adapter's name, not its folder: the folder is the server's to know.
+        raise InvalidParameterError(
+            "lora_path", f"adapter {name!r}: {file.name} is {stat.st_size} bytes, more than an adapter of rank "
+            f"<= max_lora_rank on this base model can hold ({limit} bytes)",
+        )  # fmt: skip
+
+
+def read_adapter(
+    name: str, path: str | Path, *, max_rank: int, num_layers: int, max_weight_bytes: int | None = None
+) -> LoRAAdapter:
+    """Read and check the PEFT adapter in folder ``path`` (shapes are checked against the model later).
+
+    ``max_weight_bytes``: refuse a larger weights file before reading it (``weight_bytes_bound``).
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise _refuse(folder, "no such folder")
+    _size(folder / CONFIG_FILE, name, MAX_CONFIG_BYTES)
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except FileNotFoundError:
@@ -114,6 +169,7 @@ def read_adapter(name: str, path: str | Path, *, max_rank: int, num_layers: int)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise _refuse(folder, f"lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    _size(folder / WEIGHTS_FILE, name, max_weight_bytes)
     try:
         tensors = load_file(folder / WEIGHTS_FILE, device="cpu")
     except FileNotFoundError:
@@ -133,6 +189,9 @@ def _parts(
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
+        if m is None and _EXPERT_KEY.match(key):
+            raise _refuse(folder, f"tensor {key!r} adapts a mixture-of-experts layer's experts: LoRA is served "
+                                  "on a mixture-of-experts model's attention projections only")  # fmt: skip
         if m is None:
             raise _refuse(folder, f"tensor {key!r} is not the lora_A/lora_B of a decoder layer's projection")
         layer, hf_module, which = int(m.group(1)), m.group(3), m.group(4)

@@ -131,6 +131,16 @@ class RayExecutor(Executor):
         if self._shards:
             self._gather([s.remove_lora.remote(name) for s in self._shards], self.start_timeout_s, "remove_lora")
 
+    def prepare_loras(self, names: list[str]) -> dict[str, str]:
+        """Every shard reads what it lacks; an adapter that failed on any shard failed."""
+        if not self._shards:
+            raise ExecutorFailure("the shard group is down after a failure; call restart() first")
+        failed: dict[str, str] = {}
+        for result in self._gather([s.prepare_loras.remote(names) for s in self._shards], self.start_timeout_s,
+                                   "prepare_loras"):  # fmt: skip
+            failed.update(result)
+        return failed
+
     def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
         """Rank 0's counts: every rank routes every token (``SparseMoE``), so they are the model's.
 

@@ -141,6 +141,12 @@ class ModelShardActor:
         if self._runner is not None:
             self._runner.remove_lora(name)
 
+    def prepare_loras(self, names: list[str]) -> dict[str, str]:
+        """Read the next step's adapter loads (``ModelRunner.prepare_loras``); a failure is a value, per adapter."""
+        if self._runner is None:
+            raise RuntimeError(f"shard rank {self.rank}: prepare_loras() before start()")
+        return self._runner.prepare_loras(names)
+
     def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
         """This rank's expert counts (``ModelRunner.expert_tokens``), read beside ``serve_steps``; () before start()."""
         return () if self._runner is None else self._runner.expert_tokens()

@@ -18,7 +18,7 @@ from actors.config import EngineConfig
 from actors.load.loader import load_model
 from actors.log import get_logger
 from actors.models.layers import ParallelLinear
-from actors.runner.decode_graphs import DecodeGraphs
+from actors.runner.decode_graphs import DecodeGraphs, moe_graphs_allowed
 from actors.runner.draft_runner import DraftRunner
 from actors.runner.lora_manager import LoRAInfo, LoRAManager
 from actors.runner.sampler import SampledRows, Sampler
@@ -158,6 +158,12 @@ class ModelRunner:
             m.num_layers, config.page_size, m.num_kv_heads, m.head_dim, self.dtype, config.kv_cache_dtype
         )
         kv_name = str(self.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:  # before the free memory is measured: the KV pool is sized around its slots
+            self.lora = LoRAManager(
+                m.model.layers, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                max_cpu_loras=config.resolved_max_cpu_loras(), dtype=self.dtype, device=self.device,
+            )  # fmt: skip
         available = available_memory_bytes(self.device)
         fraction_pages = int(config.memory_fraction() * available) // per_page
 
@@ -191,23 +197,19 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.seed)
         self.drafter = make_drafter(config, self, rank=rank, world_size=world_size)
-        self.lora: LoRAManager | None = None
-        if config.enable_lora:
-            self.lora = LoRAManager(
-                m.model.layers, max_loras=config.max_loras, max_rank=config.max_lora_rank,
-                max_cpu_loras=config.resolved_max_cpu_loras(), dtype=self.dtype, device=self.device,
-            )  # fmt: skip
         # The expert-load counters are read on a stream of their own (expert_tokens); None: no MoE layer or no CUDA.
         moe_blocks = m.moe_blocks()
         self.num_moe_layers = len(moe_blocks)
         self._counts_stream = torch.cuda.Stream(self.device) if moe_blocks and self.device.type == "cuda" else None
         # Last: capturing runs the model, which must be complete.
         self.graphs: DecodeGraphs | None = None
-        if config.resolved_cuda_graphs():
+        capture = self.device.type == "cuda"  # else the same static buffers run eagerly (tests' emulator)
+        if config.resolved_cuda_graphs() and (not capture or moe_graphs_allowed(
+                moe_blocks, torch.cuda.get_device_capability(self.device), asked=bool(config.cuda_graphs))):
             self.graphs = DecodeGraphs(
                 self.model, self.attn, max_num_seqs=config.max_num_seqs,
                 max_pages_per_seq=-(-config.max_model_len // config.page_size), device=self.device,
-                capture=self.device.type == "cuda", moe_blocks=moe_blocks,
+                capture=capture, moe_blocks=moe_blocks,
             )  # fmt: skip
 
     @property
@@ -223,6 +225,10 @@ class ModelRunner:
     def remove_lora(self, name: str) -> None:
         if self.lora is not None:
             self.lora.remove(name)
+
+    def prepare_loras(self, names: list[str]) -> dict[str, str]:
+        """Read the next step's adapter loads now, outside the step (``LoRAManager.prepare``); adapter -> failure."""
+        return {} if self.lora is None else self.lora.prepare(names)
 
     def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
         """Per MoE layer (in layer order), per expert, the tokens routed to it since load; () for a dense model.

@@ -59,7 +59,7 @@ def adapters(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return made
 
 
-def _assert_matches(outs: list[Any], expected: list[GreedyResult]) -> None:
+def assert_matches_peft(outs: list[Any], expected: list[GreedyResult]) -> None:
     """Greedy tokens equal and each step's top-20 logprobs within the tolerance of PEFT's."""
     for out, (tokens, tops) in zip(outs, expected, strict=True):
         got = out.outputs[0]
@@ -90,7 +90,7 @@ def test_every_projection_set_matches_peft_and_a_mixed_batch_matches_each_alone(
     alone = {}
     for name in expected:
         outs = llm.generate(prompts, params, use_tqdm=False, lora=name or None)
-        _assert_matches(outs, expected[name])
+        assert_matches_peft(outs, expected[name])
         alone[name] = [o.outputs[0].token_ids for o in outs]
     assert len({str(v) for v in alone.values()}) == len(alone)  # every adapter changes the tokens
     # One batch: each prompt under every adapter and the base, interleaved.
@@ -124,7 +124,7 @@ def test_on_cuda_a_mixed_batch_matches_peft(tiny_dir: Path, adapters: dict[str, 
     outs = llm.generate([prompts[p] for p, _ in batch], [replace(GREEDY, logprobs=20, lora=name or None)
                                                           for _, name in batch], use_tqdm=False)
     for out, (p, name) in zip(outs, batch, strict=True):
-        _assert_matches([out], [expected[name][p]])
+        assert_matches_peft([out], [expected[name][p]])
     assert_pool_clean(llm)
 
 
@@ -138,8 +138,8 @@ def test_smollm2_adapters_match_peft(smollm2_dir: Path, tmp_path: Path, targets:
     assert [t for t, _ in expected] != [t for t, _ in base]  # the adapter shows
     llm = _engine(smollm2_dir)
     llm.load_lora("task", str(adapter))
-    _assert_matches(llm.generate(prompts, replace(GREEDY, logprobs=20), use_tqdm=False, lora="task"), expected)
-    _assert_matches(llm.generate(prompts, replace(GREEDY, logprobs=20), use_tqdm=False), base)
+    assert_matches_peft(llm.generate(prompts, replace(GREEDY, logprobs=20), use_tqdm=False, lora="task"), expected)
+    assert_matches_peft(llm.generate(prompts, replace(GREEDY, logprobs=20), use_tqdm=False), base)
     assert_pool_clean(llm)
 
 
@@ -158,6 +158,80 @@ def test_adapters_never_share_cached_kv(tiny_dir: Path, adapters: dict[str, Path
     fresh.load_lora("b", str(adapters["attention"]))
     assert other.outputs[0].token_ids == fresh.generate([prompt], GREEDY, use_tqdm=False, lora="b")[0].outputs[0].token_ids
     assert_pool_clean(llm)
+
+
+def test_an_adapter_loaded_again_from_other_files_never_meets_its_old_kv(
+    tiny_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """Unload ``a`` and load ``a`` again from another folder: the same prompt reuses nothing cached under the
+    old weights and matches PEFT with the new ones (before, ``a``'s KV was keyed by its name and served
+    again). Unloading drops the adapter's pages at once; the same files under two names share their KV."""
+    prompt = _prompts(11, 1)[0] * 3  # a few full pages
+    expected = peft_greedy(tiny_dir, adapters["attention"], [prompt], MAX_TOKENS)
+    llm = _engine(tiny_dir, max_loras=2)
+    cache = llm.engine.scheduler.cache
+    assert cache is not None
+    llm.load_lora("a", str(adapters["all"]))
+    old = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a")[0]
+    assert old.outputs[0].token_ids != expected[0][0] and cache.num_cached_pages > 0
+    llm.unload_lora("a")
+    assert cache.num_cached_pages == 0  # the old weights' pages went with them (nothing else was cached)
+    llm.load_lora("a", str(adapters["attention"]))
+    new = llm.generate([prompt], replace(GREEDY, logprobs=20), use_tqdm=False, lora="a")
+    assert new[0].num_cached_tokens == 0
+    assert_matches_peft(new, expected)
+    llm.load_lora("b", str(adapters["attention"]))  # the same files under another name: the same KV
+    shared = llm.generate([prompt], GREEDY, use_tqdm=False, lora="b")[0]
+    assert shared.num_cached_tokens > 0 and shared.outputs[0].token_ids == expected[0][0]
+    llm.unload_lora("a")  # b still reads those pages: they stay
+    kept = llm.generate([prompt], GREEDY, use_tqdm=False, lora="b")[0]
+    assert kept.num_cached_tokens == shared.num_cached_tokens and kept.outputs[0].token_ids == expected[0][0]
+    assert_pool_clean(llm)
+
+
+def test_kv_tiers_serve_blocks_only_to_the_weights_that_computed_them(
+    tiny_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Host and disk blocks are keyed by the weights' digests. In one engine, ``a``'s pages evicted from the
+    pool never serve another adapter nor the base. A later engine on the same disk folder (another app on the
+    node) with an adapter of the same name and other weights gets no block of the first's (before, blocks were
+    keyed by the adapter's name and served); the first's files under another name get every full page."""
+    prompt = _prompts(12, 1)[0] * 3  # a few full pages
+    full_pages = (len(prompt) - 1) // 16 * 16
+    want = {which: peft_greedy(tiny_dir, None if which == "base" else adapters[which], [prompt], MAX_TOKENS)[0][0]
+            for which in ("all", "attention", "base")}  # fmt: skip
+
+    def run(llm: LLM, lora: str | None) -> tuple[list[int], int]:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False, lora=lora)[0]
+        assert llm.engine.offload is not None and llm.engine.scheduler.cache is not None
+        llm.engine.offload.wait_for_saves()
+        llm.engine.scheduler.cache.reset()  # what comes back next comes from a tier or is computed
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    disk = {"disk_bytes": 1 << 24, "disk_path": str(tmp_path / "blocks")}  # disk only: blocks outlive the engine
+    for offload in ({"host_bytes": 1 << 24}, disk):
+        first = _engine(tiny_dir, max_loras=2, kv_offload=offload)
+        first.load_lora("a", str(adapters["all"]))
+        first.load_lora("b", str(adapters["attention"]))
+        assert run(first, "a") == (want["all"], 0)
+        assert run(first, "b") == (want["attention"], 0)
+        assert run(first, None) == (want["base"], 0)
+        assert run(first, "a") == (want["all"], full_pages), offload  # its own blocks do come back
+        assert first.engine.scheduler.stats.tier_hit_tokens == full_pages
+        assert_pool_clean(first)
+        first.shutdown()
+
+    second = _engine(tiny_dir, max_loras=2, kv_offload=disk)
+    second.load_lora("a", str(adapters["attention"]))
+    second.load_lora("c", str(adapters["all"]))
+    assert run(second, "a") == (want["attention"], full_pages)  # the first's "b": these weights' blocks
+    second.unload_lora("a")
+    second.load_lora("a", str(adapters["rslora"]))  # the name again, weights no engine here computed with
+    assert run(second, "a")[1] == 0
+    assert run(second, "c") == (want["all"], full_pages)  # the first's "a", under another name
+    assert second.engine.scheduler.stats.tier_hit_tokens == 2 * full_pages
+    assert_pool_clean(second)
+    second.shutdown()
 
 
 def test_more_adapters_than_slots_and_host_cache_evict_and_reload(tiny_dir: Path, adapters: dict[str, Path]) -> None:

@@ -4,12 +4,16 @@ Two ``ReplicaLoRAs`` share one in-process catalog, each over a stand-in
 engine that records its loads and unloads. An adapter unloaded through one
 replica is 404 at once on the other (which then unloads it from its engine),
 a name registered again with another folder is reloaded from it, and
-concurrent first requests load an adapter once.
+concurrent first requests load an adapter once. Runtime loading is off
+unless asked for; folders are normalised (one adapter, one load); a
+redeploy's ``lora_modules`` replace the previous deployment's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -17,7 +21,7 @@ import pytest
 from actors.remote.scheduler_handle import SchedulerHandle
 from actors.runner.lora_manager import LoRAInfo
 from apps.errors import APIError
-from apps.lora_serving import LoRACatalog, ReplicaLoRAs
+from apps.lora_serving import LoRACatalog, ReplicaLoRAs, checked_modules, lora_folder
 
 
 class LocalCatalog:
@@ -25,6 +29,9 @@ class LocalCatalog:
 
     def __init__(self) -> None:
         self.inner = LoRACatalog()
+
+    async def configure(self, modules: dict[str, str]) -> None:
+        self.inner.configure(modules)
 
     async def add(self, name: str, path: str) -> bool:
         return self.inner.add(name, path)
@@ -48,16 +55,17 @@ class Engine:
     async def add_lora(self, name: str, path: str) -> LoRAInfo:
         await asyncio.sleep(0)
         self.calls.append(("add", f"{name}={path}"))
-        return LoRAInfo(name=name, path=path, rank=8, targets=("q_proj",))
+        return LoRAInfo(name=name, path=str(Path(path)), rank=8, targets=("q_proj",), key=f"digest-{name}")  # as LoRAManager.add
 
     async def remove_lora(self, name: str) -> None:
         self.calls.append(("remove", name))
 
 
-def _replicas() -> tuple[LocalCatalog, list[Engine], list[ReplicaLoRAs]]:
+def _replicas(runtime_updates: bool = True) -> tuple[LocalCatalog, list[Engine], list[ReplicaLoRAs]]:
     catalog = LocalCatalog()
     engines = [Engine(), Engine()]
-    replicas = [ReplicaLoRAs(cast(SchedulerHandle, e), catalog, "base") for e in engines]
+    replicas = [ReplicaLoRAs(cast(SchedulerHandle, e), catalog, "base", runtime_updates=runtime_updates)
+                for e in engines]  # fmt: skip
     return catalog, engines, replicas
 
 
@@ -90,7 +98,7 @@ def test_a_name_registered_again_with_another_folder_is_reloaded_from_it() -> No
         await one.load("a", "/adapters/a2")
         assert await two.resolve("a") == "a"
         assert engines[1].calls == [("add", "a=/adapters/a1"), ("remove", "a"), ("add", "a=/adapters/a2")]
-        assert two.loaded["a"].path == "/adapters/a2"
+        assert two.loaded["a"] == "/adapters/a2"
 
     asyncio.run(run())
 
@@ -104,5 +112,50 @@ def test_concurrent_first_requests_load_once() -> None:
         with pytest.raises(APIError) as err:
             await two.resolve("nope")
         assert err.value.status == 404
+
+    asyncio.run(run())
+
+
+def test_runtime_loading_and_unloading_are_off_unless_asked_for() -> None:
+    async def run() -> None:
+        catalog, engines, (one, _) = _replicas(runtime_updates=False)
+        await catalog.configure({"a": "/adapters/a"})
+        for call in (one.load("b", "/etc"), one.unload("a")):
+            with pytest.raises(APIError) as err:
+                await call
+            assert err.value.status == 404 and "runtime_lora_updates" in str(err.value)
+        assert engines[0].calls == [] and await catalog.items() == {"a": "/adapters/a"}
+        assert await one.resolve("a") == "a"  # configured adapters are served all the same
+
+    asyncio.run(run())
+
+
+def test_spellings_of_one_folder_load_the_adapter_once() -> None:
+    async def run() -> None:
+        catalog, engines, (one, two) = _replicas()
+        await one.load("a", "/adapters/./a/")
+        for _ in range(3):
+            assert await two.resolve("a") == "a"
+        assert engines[1].calls == [("add", "a=/adapters/a")]
+        assert lora_folder("./a") == os.path.join(os.getcwd(), "a") and lora_folder("/x/a/") == "/x/a"
+        assert checked_modules({"b": "/x//b/"}) == {"b": "/x/b"}
+
+    asyncio.run(run())
+
+
+def test_a_redeploy_takes_new_folders_and_drops_modules_it_no_longer_lists() -> None:
+    async def run() -> None:
+        catalog, engines, (one, two) = _replicas()
+        await catalog.configure({"a": "/f/a1", "b": "/f/b"})
+        await one.load("c", "/f/c")  # loaded at run time: no deployment's to drop
+        assert await two.resolve("a") == "a" and await two.resolve("b") == "b"
+        await catalog.configure({"a": "/f/a1", "b": "/f/b"})  # another replica of the same deployment
+        await catalog.configure({"a": "/f/a2"})  # the next deployment
+        assert await catalog.items() == {"a": "/f/a2", "c": "/f/c"}
+        assert await two.resolve("a") == "a"
+        assert engines[1].calls[-2:] == [("remove", "a"), ("add", "a=/f/a2")]  # the new folder, not the old one
+        with pytest.raises(APIError) as err:
+            await two.resolve("b")
+        assert err.value.status == 404 and engines[1].calls[-1] == ("remove", "b")
 
     asyncio.run(run())

@@ -1,0 +1,192 @@
+"""LoRA in the engine where it used to break: oversized files, unloads of an idle engine, MoE bases, memory.
+
+An adapter file larger than any adapter of rank up to ``max_lora_rank`` on
+the base could be is refused before it is read, naming the adapter and not
+the server's folder; an unload whose last request is aborted completes
+without another step; a mixture-of-experts base serves attention adapters
+(against PEFT) and refuses expert targets by name; the LoRA slots exist
+before the free memory that sizes the KV pool is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import actors.load.lora_adapter as lora_adapter
+import actors.runner.model_runner as model_runner
+from actors.load.embedded import build_tokenizer
+from actors.runner.lora_manager import LoRAManager
+from apps.llm import LLM
+from scheduling.errors import InvalidParameterError
+from scheduling.sampling_params import SamplingParams
+from tests.actors.checkpoints import FAMILY_CONFIGS, write_checkpoint
+from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter, peft_greedy
+from tests.actors.test_engine_oracle import assert_pool_clean
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+ENGINE = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256, "dtype": "float32",
+          "device": "cpu", "enable_lora": True, "max_lora_rank": 8}  # fmt: skip
+CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randint(4, 24))] for _ in range(n)]
+
+
+def _sparse(file: Path, size: int) -> None:
+    """A file of ``size`` bytes that takes no disk space (a hole)."""
+    with open(file, "wb") as f:
+        f.truncate(size)
+
+
+def test_oversized_adapter_files_are_refused_before_they_are_read(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(str(tiny_dir), **ENGINE)
+
+    def read(*args: object, **kwargs: object) -> dict[str, torch.Tensor]:
+        raise AssertionError("the weights file was read")
+
+    monkeypatch.setattr(lora_adapter, "load_file", read)
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / lora_adapter.CONFIG_FILE).write_text(json.dumps(CONFIG))
+    _sparse(huge / lora_adapter.WEIGHTS_FILE, 64 << 30)
+    config = tmp_path / "config"
+    config.mkdir()
+    _sparse(config / lora_adapter.CONFIG_FILE, 16 << 20)  # above MAX_CONFIG_BYTES
+    for name, folder, file in (("huge", huge, lora_adapter.WEIGHTS_FILE), ("cfg", config, lora_adapter.CONFIG_FILE)):
+        with pytest.raises(InvalidParameterError) as err:
+            llm.load_lora(name, str(folder))
+        message = str(err.value)
+        assert err.value.param == "lora_path" and f"adapter {name!r}" in message and file in message, message
+        assert str(tmp_path) not in message  # the folder is the server's to know
+    assert llm.engine.loras.adapters == {}
+
+
+def test_an_unload_completes_when_its_last_request_is_aborted(tiny_dir: Path, tmp_path: Path) -> None:
+    adapter = make_peft_adapter(tiny_dir, tmp_path / "a", targets=PROJECTION_SETS["qv"], rank=8, alpha=16, seed=3)
+    llm = LLM(str(tiny_dir), **ENGINE)
+    llm.load_lora("a", str(adapter))
+    engine = llm.engine
+    prompt = _prompts(1, 1)[0]
+    engine.add_request("r", prompt, replace(GREEDY, max_tokens=50, lora="a"), prompt_token_ids=prompt)
+    engine.step()
+    llm.unload_lora("a")
+    assert "a" in engine.loras.adapters  # its request still runs on it
+    engine.abort("r")  # the engine is idle now: no step will come to finish the unload
+    assert "a" not in engine.loras.adapters and not engine.has_unfinished
+    llm.load_lora("a", str(adapter))  # the name is free again
+    assert_pool_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE, layer 0 sparse and layer 1 dense (``tests.actors.checkpoints.qwen3_moe_config``)."""
+    folder = write_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), FAMILY_CONFIGS["qwen3_moe"](), seed=5)
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _write(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir()
+    (folder / lora_adapter.CONFIG_FILE).write_text(json.dumps(CONFIG))
+    save_file(tensors, str(folder / lora_adapter.WEIGHTS_FILE))
+    return folder
+
+
+def test_a_moe_base_serves_attention_adapters_and_refuses_expert_targets(moe_dir: Path, tmp_path: Path) -> None:
+    adapter = make_peft_adapter(moe_dir, tmp_path / "attn", targets=PROJECTION_SETS["attention"], rank=8,
+                                alpha=16, seed=4)  # fmt: skip
+    llm = LLM(str(moe_dir), **ENGINE)  # used to fail here: an AttributeError on the MoE layer's mlp
+    llm.load_lora("attn", str(adapter))
+    prompts = _prompts(2, 3)
+    want = [tokens for tokens, _ in peft_greedy(moe_dir, adapter, prompts, GREEDY.max_tokens)]
+    base = [tokens for tokens, _ in peft_greedy(moe_dir, None, prompts, GREEDY.max_tokens)]
+    assert want != base  # the adapter changes the tokens
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora="attn")]
+    assert got == want
+    a, b = torch.zeros(8, 64), torch.zeros(64, 8)  # refused before their shapes are compared with the model's
+    key = "base_model.model.model.layers.{}.mlp.{}.lora_{}.weight"
+    refusals = {"dense_mlp_in_moe_layer": ({key.format(0, "gate_proj", "A"): a, key.format(0, "gate_proj", "B"): b},
+                                           "gate_proj in layer 0, a mixture-of-experts layer"),
+                "experts": ({key.format(0, "experts.0.gate_proj", "A"): a,
+                             key.format(0, "experts.0.gate_proj", "B"): b}, "mixture-of-experts layer's experts")}
+    for name, (tensors, why) in refusals.items():
+        with pytest.raises(InvalidParameterError) as err:
+            llm.load_lora(name, str(_write(tmp_path / name, tensors)))
+        assert err.value.param == "lora_path" and why in str(err.value), err.value
+    assert set(llm.engine.loras.adapters) == {"attn"}
+    assert_pool_clean(llm)
+
+
+def test_lora_slots_exist_before_the_memory_that_sizes_the_kv_pool_is_measured(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    measure = model_runner.available_memory_bytes
+
+    class Recorded(LoRAManager):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            events.append("lora slots")
+
+    def measured(device: torch.device | str) -> int:
+        events.append("free memory measured")
+        return measure(device)
+
+    monkeypatch.setattr(model_runner, "LoRAManager", Recorded)
+    monkeypatch.setattr(model_runner, "available_memory_bytes", measured)
+    LLM(str(tiny_dir), **ENGINE)
+    assert events == ["lora slots", "free memory measured"]
+
+
+@pytest.mark.parametrize("change", ["deleted", "replaced"])
+def test_an_evicted_adapter_that_cannot_be_read_again_ends_only_its_requests(
+    tiny_dir: Path, tmp_path: Path, change: str
+) -> None:
+    """Its files gone, or replaced by another valid adapter's (whose weights would be served under the KV
+    key of the files it was loaded from): only its requests end, with an error naming it."""
+    made = {name: make_peft_adapter(tiny_dir, tmp_path / name, targets=PROJECTION_SETS["qv"], rank=8, alpha=16,
+                                    seed=seed) for name, seed in (("a", 5), ("b", 6))}  # fmt: skip
+    prompts = _prompts(3, 2)
+    alone = LLM(str(tiny_dir), **ENGINE)
+    alone.load_lora("b", str(made["b"]))
+    want = {"base": alone.generate([prompts[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids,
+            "b": alone.generate([prompts[1]], GREEDY, use_tqdm=False, lora="b")[0].outputs[0].token_ids}
+    llm = LLM(str(tiny_dir), **{**ENGINE, "max_loras": 1, "max_cpu_loras": 1})
+    llm.load_lora("a", str(made["a"]))
+    llm.load_lora("b", str(made["b"]))  # the host cache holds one adapter: a is evicted, read again when used
+    weights = made["a"] / lora_adapter.WEIGHTS_FILE
+    if change == "deleted":
+        weights.unlink()
+    else:  # a valid adapter of the same shapes copied over a's: readable, but not what a was loaded from
+        shutil.copyfile(made["b"] / lora_adapter.WEIGHTS_FILE, weights)
+    engine = llm.engine
+    for rid, prompt, lora in (("ra", prompts[1], "a"), ("rb", prompts[1], "b"), ("base", prompts[0], None)):
+        engine.add_request(rid, prompt, replace(GREEDY, lora=lora), prompt_token_ids=prompt)
+    got: dict[str, list[int]] = {}
+    ends: dict[str, tuple[str | None, str | None]] = {}
+    for _ in range(4 * GREEDY.max_tokens):  # bounded: each step advances every running request
+        if not engine.has_unfinished:
+            break
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finish_reason is not None:
+                ends[d.request_id] = (d.finish_reason, d.error)
+    assert ends["ra"][0] == "error" and "'a'" in (ends["ra"][1] or ""), ends
+    assert ("changed since it was loaded" in (ends["ra"][1] or "")) == (change == "replaced"), ends
+    assert str(tmp_path) not in (ends["ra"][1] or "")  # the folder is the server's to know
+    assert ends["rb"][0] == ends["base"][0] == "length"
+    assert got["rb"] == want["b"] and got["base"] == want["base"]
+    assert "a" in engine.loras.adapters  # still registered: its next request is tried (and refused) alike
+    assert_pool_clean(llm)

@@ -131,6 +131,9 @@ def build_app(args: dict[str, Any]) -> Application:
             raise InvalidParameterError("lora_modules", "must map adapter names to their folders")
         if engine.setdefault("enable_lora", True) is not True:
             raise InvalidParameterError("lora_modules", "adapters need enable_lora=True")
+    if not isinstance(options.get("runtime_lora_updates", False), bool):  # YAML's "false" would open the admin routes
+        raise InvalidParameterError("runtime_lora_updates", f"must be true or false, got "
+                                                            f"{options['runtime_lora_updates']!r}")  # fmt: skip
     if options.get("runtime_lora_updates") and engine.setdefault("enable_lora", True) is not True:
         raise InvalidParameterError("runtime_lora_updates", "loading adapters needs enable_lora=True")
     if pd is not None and (engine.get("enable_lora") or options.get("lora_modules")):

@@ -79,7 +79,7 @@ def envelope(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def _unwrap(exc: BaseException) -> BaseException:
+def unwrapped(exc: BaseException) -> BaseException:
     """The user exception inside Ray's wrappers (they keep it in ``cause``)."""
     for _ in range(8):  # bounded: a wrapper chain is never deep
         cause = vars(exc).get("cause") if hasattr(exc, "__dict__") else None
@@ -129,7 +129,7 @@ def renamed(exc: BaseException, names: Mapping[str, str]) -> BaseException:
     ``param`` found in ``names`` is replaced, in the param and in the message.
     Ray's wrappers are unwrapped first (an engine refusal crosses an actor).
     """
-    exc = _unwrap(exc)
+    exc = unwrapped(exc)
     if isinstance(exc, InvalidParameterError) and exc.param in names:
         new = names[exc.param]
         return InvalidParameterError(new, exc.message.replace(exc.param, new))
@@ -140,7 +140,7 @@ def renamed(exc: BaseException, names: Mapping[str, str]) -> BaseException:
 
 def error_response(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """Map any exception to ``(HTTP status, OpenAI error envelope)``."""
-    exc = _unwrap(exc)
+    exc = unwrapped(exc)
     if isinstance(exc, APIError):
         return exc.status, envelope(exc.message, type=exc.type, param=exc.param, code=exc.code)
     if isinstance(exc, ValidationError):

@@ -40,6 +40,7 @@ folder (``/v1/models`` lists names).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
@@ -49,12 +50,15 @@ from ray.actor import ActorHandle
 
 from actors.remote.scheduler_handle import SchedulerHandle
 from actors.runner.lora_manager import LoRAInfo
-from apps.errors import APIError
+from apps.errors import APIError, unwrapped
 from apps.request_params import unknown_model
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import check_lora_name
 
 CATALOG_NAMESPACE = "flotilla"
+CATALOG_TIMEOUT_S = 60.0  # a replica's start waits this long for the catalog actor (it may be placed first)
+
+logger = logging.getLogger(__name__)
 
 
 def lora_folder(path: str) -> str:
@@ -73,15 +77,20 @@ class LoRACatalog:
         self.paths: dict[str, str] = {}
         self.configured: dict[str, str] = {}  # the lora_modules of the latest deployment
 
-    def configure(self, modules: dict[str, str]) -> None:
+    def configure(self, modules: dict[str, str], runtime_updates: bool) -> None:
         """Make ``modules`` (a deployment's ``lora_modules``) the configured adapters.
 
         The catalog outlives the app, so a redeploy meets the previous
         deployment's entries: a name it configured that ``modules`` lacks is
         dropped (unless loaded at run time since with another folder), and
         every name of ``modules`` points at its folder, replacing what the
-        name held. Idempotent: every replica of a deployment calls it.
+        name held. Adapters loaded at run time stay only while the new
+        deployment has ``runtime_updates`` too: without it nothing could
+        unload them, and the catalog would serve what no configuration names.
+        Idempotent: every replica of a deployment calls it.
         """
+        if not runtime_updates:
+            self.paths = {}
         for name, path in self.configured.items():
             if name not in modules and self.paths.get(name) == path:
                 del self.paths[name]
@@ -112,7 +121,7 @@ _RemoteCatalog = ray.remote(LoRACatalog)
 class CatalogHandle(Protocol):
     """What a replica calls on its catalog (the Ray actor, or an in-process one in tests)."""
 
-    def configure(self, modules: dict[str, str]) -> Awaitable[None]: ...
+    def configure(self, modules: dict[str, str], runtime_updates: bool) -> Awaitable[None]: ...
 
     def add(self, name: str, path: str) -> Awaitable[bool]: ...
 
@@ -133,8 +142,8 @@ class ActorCatalog:
             get_if_exists=True, num_cpus=0,
         ).remote())  # fmt: skip
 
-    def configure(self, modules: dict[str, str]) -> Awaitable[None]:
-        return self.actor.configure.remote(modules)
+    def configure(self, modules: dict[str, str], runtime_updates: bool) -> Awaitable[None]:
+        return self.actor.configure.remote(modules, runtime_updates)
 
     def add(self, name: str, path: str) -> Awaitable[bool]:
         return self.actor.add.remote(name, path)
@@ -148,9 +157,10 @@ class ActorCatalog:
     def items(self) -> Awaitable[dict[str, str]]:
         return self.actor.items.remote()
 
-    def register_now(self, modules: dict[str, str]) -> None:
-        """Make ``lora_modules`` the catalog's configured adapters, waiting (a replica's constructor is synchronous)."""
-        ray.get(self.actor.configure.remote(checked_modules(modules)))
+    def register_now(self, modules: dict[str, str], runtime_updates: bool) -> None:
+        """Make ``lora_modules`` the catalog's configured adapters, waiting (a replica's constructor is synchronous;
+        bounded: a catalog that does not answer fails the replica's start, which Serve retries)."""
+        ray.get(self.actor.configure.remote(checked_modules(modules), runtime_updates), timeout=CATALOG_TIMEOUT_S)
 
 
 def checked_modules(modules: dict[str, str]) -> dict[str, str]:
@@ -190,7 +200,15 @@ class ReplicaLoRAs:
                 return model
             if held is not None:  # registered again (or redeployed) with another folder
                 await self._unload_here(model)
-            await self.scheduler.add_lora(model, path)
+            try:
+                await self.scheduler.add_lora(model, path)
+            except Exception as e:  # every refusal names the operator's folder: logged, not answered
+                cause = unwrapped(e)
+                if isinstance(cause, APIError):
+                    raise cause from None
+                logger.error("LoRA adapter %r from the catalog could not be loaded: %r", model, cause)
+                raise APIError(500, f"adapter {model!r} could not be loaded on this replica (the server's log "
+                                    "says why)", code="lora_load_failed") from None  # fmt: skip
             self.loaded[model] = path
             self._record("lora_loads", 1)
         return model

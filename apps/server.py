@@ -190,7 +190,7 @@ class LLMServer(ReplicaStats, ReplicaRequests):
         self.loras = ReplicaLoRAs(self._scheduler, catalog, self.model_name, record=self.metrics.record,
                                   runtime_updates=runtime_lora_updates)
         if catalog is not None:
-            catalog.register_now(lora_modules or {})
+            catalog.register_now(lora_modules or {}, runtime_lora_updates)
         self._tasks: set[asyncio.Task[None]] = set()  # detached aborts still running
         # Responses kept for previous_response_id; their ids carry the tag the router routes them back on.
         self._responses = ResponsesService(serve.get_replica_context().replica_id.unique_id,

@@ -95,7 +95,7 @@ def moe_graphs_allowed(moe_blocks: Sequence[SparseMoE], capability: tuple[int, i
             continue
         if asked:
             raise InvalidParameterError("cuda_graphs", f"{refusal}: set cuda_graphs to false or leave it unset")
-        logger.info("decode steps run without CUDA graphs: %s", refusal)
+        logger.warning("decode steps run without CUDA graphs (slower): %s", refusal)
         return False
     return True
 

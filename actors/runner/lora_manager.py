@@ -134,6 +134,8 @@ class LoRAManager:
         logged, since it names the server's folder).
         """
         failed: dict[str, str] = {}
+        with self._lock:  # what an earlier prepare held for a step that never loaded it (failed on a peer rank)
+            self._ready.clear()
         for name in names:
             with self._lock:
                 adapter = self._host.get(name)
@@ -206,8 +208,9 @@ class LoRAManager:
             if linear is None:
                 hf_module = next(k for k, v in LORA_TARGETS.items() if v == (part.module, part.part))
                 raise InvalidParameterError(
-                    "lora_path", f"adapter {name!r} adapts {hf_module} in layer {part.layer}, a mixture-of-experts "
-                    "layer: LoRA is served on its attention projections only",
+                    "lora_path", f"adapter {name!r} adapts {hf_module} in layer {part.layer}, which has no such "
+                    "dense projection (a mixture-of-experts layer's experts take no LoRA: there, adapters are "
+                    "served on the attention projections only)",
                 )  # fmt: skip
             want = linear.lora_dims(part.part)
             got = (part.a.shape[1], part.b.shape[0])

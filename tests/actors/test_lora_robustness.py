@@ -118,7 +118,7 @@ def test_a_moe_base_serves_attention_adapters_and_refuses_expert_targets(moe_dir
     a, b = torch.zeros(8, 64), torch.zeros(64, 8)  # refused before their shapes are compared with the model's
     key = "base_model.model.model.layers.{}.mlp.{}.lora_{}.weight"
     refusals = {"dense_mlp_in_moe_layer": ({key.format(0, "gate_proj", "A"): a, key.format(0, "gate_proj", "B"): b},
-                                           "gate_proj in layer 0, a mixture-of-experts layer"),
+                                           "gate_proj in layer 0, which has no such dense projection"),
                 "experts": ({key.format(0, "experts.0.gate_proj", "A"): a,
                              key.format(0, "experts.0.gate_proj", "B"): b}, "mixture-of-experts layer's experts")}
     for name, (tensors, why) in refusals.items():

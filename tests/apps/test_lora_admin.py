@@ -66,7 +66,7 @@ def _call(server: SimpleNamespace, route: str, path: str, body: dict[str, str] |
 
 def test_admin_endpoints_are_404_when_runtime_updates_are_off() -> None:
     server, engine, catalog = _server(runtime_updates=False, keys=[])
-    catalog.inner.configure({"a": FOLDER})
+    catalog.inner.configure({"a": FOLDER}, False)
     status, body = _call(server, "load_lora_adapter", "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/"})
     assert status == 404 and "runtime_lora_updates" in body["error"]["message"], body
     status, body = _call(server, "unload_lora_adapter", "/v1/unload_lora_adapter", {"lora_name": "a"})
@@ -91,7 +91,7 @@ def test_open_admin_needs_the_key_when_keys_are_set() -> None:
 
 def test_models_list_adapters_without_their_folders() -> None:
     server, _, catalog = _server(runtime_updates=False, keys=[])
-    catalog.inner.configure({"a": FOLDER, "b": "/srv/other"})
+    catalog.inner.configure({"a": FOLDER, "b": "/srv/other"}, False)
     status, body = _call(server, "models", "/v1/models", None)
     assert status == 200 and [c["id"] for c in body["data"]] == ["base", "a", "b"]
     assert all(c.get("parent") == "base" for c in body["data"][1:])

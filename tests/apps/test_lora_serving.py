@@ -12,6 +12,7 @@ redeploy's ``lora_modules`` replace the previous deployment's.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 from typing import cast
@@ -22,6 +23,7 @@ from actors.remote.scheduler_handle import SchedulerHandle
 from actors.runner.lora_manager import LoRAInfo
 from apps.errors import APIError
 from apps.lora_serving import LoRACatalog, ReplicaLoRAs, checked_modules, lora_folder
+from scheduling.errors import InvalidParameterError
 
 
 class LocalCatalog:
@@ -30,8 +32,8 @@ class LocalCatalog:
     def __init__(self) -> None:
         self.inner = LoRACatalog()
 
-    async def configure(self, modules: dict[str, str]) -> None:
-        self.inner.configure(modules)
+    async def configure(self, modules: dict[str, str], runtime_updates: bool = True) -> None:
+        self.inner.configure(modules, runtime_updates)
 
     async def add(self, name: str, path: str) -> bool:
         return self.inner.add(name, path)
@@ -51,11 +53,15 @@ class Engine:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.unreadable: set[str] = set()  # folders refused as LoRAManager refuses them, naming the folder
 
     async def add_lora(self, name: str, path: str) -> LoRAInfo:
         await asyncio.sleep(0)
         self.calls.append(("add", f"{name}={path}"))
-        return LoRAInfo(name=name, path=str(Path(path)), rank=8, targets=("q_proj",), key=f"digest-{name}")  # as LoRAManager.add
+        if path in self.unreadable:
+            raise InvalidParameterError("lora_path", f"adapter {path!r}: no such folder")
+        return LoRAInfo(name=name, path=str(Path(path)), rank=8, targets=("q_proj",),
+                        key=f"digest-{name}")  # as LoRAManager.add  # fmt: skip
 
     async def remove_lora(self, name: str) -> None:
         self.calls.append(("remove", name))
@@ -130,6 +136,23 @@ def test_runtime_loading_and_unloading_are_off_unless_asked_for() -> None:
     asyncio.run(run())
 
 
+def test_a_configured_folder_that_fails_to_load_is_a_500_that_names_no_folder(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def run() -> None:
+        catalog, engines, (one, _) = _replicas()
+        await catalog.configure({"a": "/srv/secret/a"})
+        engines[0].unreadable.add("/srv/secret/a")
+        with pytest.raises(APIError) as err:
+            await one.resolve("a")
+        assert err.value.status == 500 and err.value.code == "lora_load_failed" and "'a'" in str(err.value)
+        assert "/srv" not in str(err.value) and "a" not in one.loaded
+        assert "/srv/secret/a" in caplog.text  # the operator still learns why
+
+    with caplog.at_level(logging.ERROR, logger="apps.lora_serving"):
+        asyncio.run(run())
+
+
 def test_spellings_of_one_folder_load_the_adapter_once() -> None:
     async def run() -> None:
         catalog, engines, (one, two) = _replicas()
@@ -157,5 +180,11 @@ def test_a_redeploy_takes_new_folders_and_drops_modules_it_no_longer_lists() -> 
         with pytest.raises(APIError) as err:
             await two.resolve("b")
         assert err.value.status == 404 and engines[1].calls[-1] == ("remove", "b")
+        # A deployment without runtime updates: what was loaded at run time goes too (nothing could unload it).
+        await catalog.configure({"a": "/f/a2"}, runtime_updates=False)
+        assert await catalog.items() == {"a": "/f/a2"}
+        with pytest.raises(APIError) as err:
+            await one.resolve("c")
+        assert err.value.status == 404 and engines[0].calls[-1] == ("remove", "c")
 
     asyncio.run(run())

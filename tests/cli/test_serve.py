@@ -170,3 +170,7 @@ def test_runtime_lora_updates_are_asked_for_and_relative_folders_are_the_users(
     with pytest.raises(InvalidParameterError) as err:
         build_app({**_args("--model", "tiny", "--runtime-lora-updates"), "enable_lora": False})
     assert err.value.param == "runtime_lora_updates"
+    for not_a_bool in ("false", 1, None):  # serve.yaml's "false" is a string, and would have opened the routes
+        with pytest.raises(InvalidParameterError) as err:
+            build_app({**_args("--model", "tiny"), "runtime_lora_updates": not_a_bool})
+        assert err.value.param == "runtime_lora_updates" and repr(not_a_bool) in err.value.message

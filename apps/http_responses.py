@@ -16,13 +16,13 @@ from apps.errors import error_response
 from apps.response_builder import ResponseBuilder
 from apps.stream_fanout import RequestStream
 
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+RETRY_AFTER_S = 1  # what a 429 or 503 tells the client to wait
 
 
 def error_json(exc: BaseException) -> JSONResponse:
-    """The OpenAI error envelope of ``exc``; a 429 carries ``Retry-After``."""
+    """The OpenAI error envelope of ``exc``; a 429 or 503 (the same request may pass soon) carries ``Retry-After``."""
     status, body = error_response(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -48,6 +48,7 @@ from typing import Protocol, cast
 import ray
 from ray.actor import ActorHandle
 
+from actors.engine.lora_registry import LoRAUnloadingError
 from actors.remote.scheduler_handle import SchedulerHandle
 from actors.runner.lora_manager import LoRAInfo
 from apps.errors import APIError, unwrapped
@@ -206,6 +207,9 @@ class ReplicaLoRAs:
                 cause = unwrapped(e)
                 if isinstance(cause, APIError):
                     raise cause from None
+                if isinstance(cause, LoRAUnloadingError):  # the old folder's requests still run: soon, not never
+                    raise APIError(503, f"adapter {model!r} is being reloaded from its new folder; retry shortly",
+                                   code="lora_reloading") from None  # fmt: skip
                 logger.error("LoRA adapter %r from the catalog could not be loaded: %r", model, cause)
                 raise APIError(500, f"adapter {model!r} could not be loaded on this replica (the server's log "
                                     "says why)", code="lora_load_failed") from None  # fmt: skip

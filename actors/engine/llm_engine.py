@@ -24,6 +24,7 @@ from actors.engine.kv_offload import KVOffload
 from actors.engine.lora_registry import LoRARegistry
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from actors.engine.prompt_ids import text_ids
+from actors.errors import ExecutorFailure
 from actors.grammar.compiler import GrammarCompiler
 from actors.grammar.states import GrammarStates
 from actors.load.loader import load_tokenizer
@@ -71,9 +72,9 @@ class LLMEngine:
         # masks, the forward, or finish_step before the update), until fail_step/fail_all settles
         # it: its scheduler bookkeeping is still open and its requests' state unknown.
         self._failed_batch: Batch | None = None
-        # Final deltas of requests ended while a step was planned (an adapter that could not be read):
-        # they go out with that step's.
-        self._ended_in_planning: list[SequenceDelta] = []
+        # Adapters the step in flight could not read (adapter -> why), set by execute() on the engine's
+        # worker thread; their requests end when the step is settled (finish_step or fail_*), on the loop.
+        self._unreadable: dict[str, str] = {}
         # Seconds spent in executor.execute, summed over steps (the forward as the engine waits for it:
         # with shards on other actors, their round trip too). Per step against engine steps, it shows
         # what the serving path around the engine costs the forward (flotilla bench serve / offline).
@@ -180,7 +181,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Abort every sequence of a request; returns their final deltas."""
         deltas = self._end_group(request_id, "abort", None)
-        self.loras.finish_unloads()  # an idle engine runs no step that would: its last request may be this one
+        # This may be an unloading adapter's last request, and an idle engine runs no step that would finish
+        # the unload (the step loop is not woken by an abort).
+        self.loras.finish_unloads()
         return deltas
 
     def fail_step(self, message: str) -> list[SequenceDelta]:
@@ -195,14 +198,15 @@ class LLMEngine:
         """
         batch, self._failed_batch = self._failed_batch, None
         if batch is None:
-            return self._take_ended_in_planning()
+            return self._end_unreadable()
         groups = dict.fromkeys(
             self._seqs[r.request_id].request_id
             for r in self.scheduler.requests_in_step(batch.step)
             if r.request_id in self._seqs  # not aborted while the step ran
         )
-        deltas = self._take_ended_in_planning() + [d for rid in groups for d in self._end_group(rid, "error", message)]
+        deltas = self._end_unreadable() + [d for rid in groups for d in self._end_group(rid, "error", message)]
         self._settle(batch)
+        self.loras.finish_unloads()  # the step's requests may have been an unloading adapter's last
         return deltas
 
     def fail_all(self, message: str, *, kv_lost: bool = False) -> list[SequenceDelta]:
@@ -212,7 +216,7 @@ class LLMEngine:
         with ``kv_lost`` (the shards that held the KV pool died) the prefix
         cache is emptied too, since its pages no longer hold valid KV.
         """
-        deltas = self._take_ended_in_planning()
+        deltas = self._end_unreadable()
         deltas += [d for rid in list(self._groups) for d in self._end_group(rid, "error", message)]
         batch, self._failed_batch = self._failed_batch, None
         if batch is not None:
@@ -222,6 +226,7 @@ class LLMEngine:
             if self.scheduler.cache is not None:
                 self.scheduler.cache.reset()
             self.loras.shards_restarted()
+        self.loras.finish_unloads()  # every request has ended: unloading adapters go now
         return deltas
 
     def _end_group(self, request_id: str, reason: str, error: str | None) -> list[SequenceDelta]:
@@ -293,16 +298,14 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.deliver()
         batch = self.scheduler.schedule()
-        if batch is not None and batch.lora_loads:
-            try:
-                batch = self._prepare_loras(batch)
-            except BaseException:
-                self._failed_batch = batch  # settled by fail_step() or fail_all(), as a failed forward
-                raise
-        if batch is None or not len(self.grammar_states):
+        if batch is None:
+            return batch
+        reqs = self.scheduler.requests_in_step(batch.step)
+        if self.loras.enabled:
+            self.loras.planned(batch, reqs)
+        if not len(self.grammar_states):
             return batch
         start = time.perf_counter()
-        reqs = self.scheduler.requests_in_step(batch.step)
         try:
             masks = self.grammar_states.masks(batch, [reqs[i].request_id for i in batch.sample_indices])
         except BaseException:
@@ -314,31 +317,18 @@ class LLMEngine:
             self.grammar_seconds_total += time.perf_counter() - start
         return batch if masks is None else replace(batch, token_masks=masks)
 
-    def _prepare_loras(self, batch: Batch) -> Batch:
-        """Read the step's adapter loads before it runs; an adapter that fails ends only its own requests."""
-        failed = self.loras.prepare(batch)
-        if not failed:
-            return batch
-        requests = self.scheduler.requests
-        for name, why in failed.items():
-            ended = [rid for rid, sids in self._groups.items()
-                     if any(requests[s].params.lora == name for s in sids if s in requests)]  # fmt: skip
-            for rid in ended:
-                self._ended_in_planning += self._end_group(rid, "error", f"LoRA adapter {name!r} could not be "
-                                                                         f"loaded: {why}")  # fmt: skip
-            self.loras.unassign(name)
-        assert batch.lora_loads is not None
-        return replace(batch, lora_loads=[(s, n) for s, n in batch.lora_loads if n not in failed] or None)
-
-    def _take_ended_in_planning(self) -> list[SequenceDelta]:
-        deltas, self._ended_in_planning = self._ended_in_planning, []
-        return deltas
-
     def execute(self, batch: Batch) -> StepOutput:
-        """Run a planned step on the executor; touches no request state."""
+        """Run a planned step on the executor; touches no request state.
+
+        The step's adapter loads are read first, here: a caller runs this off
+        its event loop (``actors.remote.step_loop``), and reading an adapter
+        evicted from the shards' host cache may take long. One that cannot be
+        read is not loaded; its requests end when the step is settled.
+        """
         start = time.perf_counter()
+        self._unreadable = {}
         try:
-            return self.executor.execute(batch)
+            return self.executor.execute(self._prepare_loras(batch) if batch.lora_loads else batch)
         except BaseException:
             # The caller settles it with fail_step() or fail_all().
             self._failed_batch = batch
@@ -346,11 +336,43 @@ class LLMEngine:
         finally:
             self.forward_seconds_total += time.perf_counter() - start
 
+    def _prepare_loras(self, batch: Batch) -> Batch:
+        """The step without the loads of adapters that could not be read (``_unreadable``: they are not in any
+        slot, so their requests' rows computed garbage, which ``_end_unreadable`` never lets out)."""
+        try:
+            self._unreadable = self.loras.prepare(batch)
+        except ExecutorFailure:
+            raise  # a shard is down: the executor restarts, every request ends
+        except Exception as exc:  # noqa: BLE001 - a read that failed oddly is still only those adapters' failure
+            logger.exception("the step's LoRA adapters could not be read")
+            assert batch.lora_loads is not None
+            self._unreadable = dict.fromkeys((n for _, n in batch.lora_loads),
+                                             f"its files could not be read ({type(exc).__name__})")
+        if not self._unreadable:
+            return batch
+        assert batch.lora_loads is not None
+        return replace(batch, lora_loads=[(s, n) for s, n in batch.lora_loads if n not in self._unreadable] or None)
+
+    def _end_unreadable(self) -> list[SequenceDelta]:
+        """End the requests of the adapters the step could not read (before ``Scheduler.update``, so none of
+        their KV computed without the adapter is kept) and free their slots, never written."""
+        unreadable, self._unreadable = self._unreadable, {}
+        deltas: list[SequenceDelta] = []
+        requests = self.scheduler.requests
+        for name, why in unreadable.items():
+            ended = [rid for rid, sids in self._groups.items()
+                     if any(requests[s].params.lora == name for s in sids if s in requests)]  # fmt: skip
+            for rid in ended:
+                deltas += self._end_group(rid, "error", f"LoRA adapter {name!r} could not be loaded: {why}")
+            self.loras.unassign(name)
+        return deltas
+
     def finish_step(self, batch: Batch, output: StepOutput) -> list[SequenceDelta]:
         """Apply a step's sampled tokens (the scheduler detokenizes and stops them) and pooled rows; emit deltas.
 
         Requests aborted while the step ran are skipped (the scheduler drops them).
         """
+        deltas = self._end_unreadable()  # first: update must not take their rows
         try:
             collect_exports(self, batch, output)  # before update: it ends the prefill-only requests
             if batch.kv_saves and self.offload is not None:
@@ -361,7 +383,6 @@ class LLMEngine:
             if self.scheduler.is_in_flight(batch.step):  # failed before update took it: fail_* settles it
                 self._failed_batch = batch
             raise
-        deltas = self._take_ended_in_planning()
         deltas += self._pool(batch, output, update.pooled) if update.pooled else []
         refused: list[str] = []
         for req, tokens, row, text in update.sampled:

@@ -4,7 +4,9 @@ Loading reads the adapter on every shard (``Executor.add_lora``); a request
 names it in ``SamplingParams.lora``. Unloading stops new requests for the
 adapter at once and forgets it when none is queued or running and no step
 is in flight (``finish_unloads``, after each step): requests already in the
-engine finish with the adapter they started with.
+engine finish with the adapter they started with. Loading a name that is
+still unloading finishes its unload first if nothing uses it any more, and
+is refused as retryable (``LoRAUnloadingError``) while requests still do.
 
 Cached KV knows an adapter by its weights, not its name: ``check`` hands each
 request its adapter's digest (``actors.load.weights_digest``), which keys the
@@ -23,12 +25,17 @@ from actors.runner.lora_manager import LoRAInfo
 from scheduling.batch import Batch
 from scheduling.errors import InvalidParameterError
 from scheduling.lora_slots import is_lora_namespace
+from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams, check_lora_name
 from scheduling.scheduler import Scheduler
 
 
 class UnknownLoRAError(InvalidParameterError):
     """A request or an unload named an adapter this engine does not serve (the API answers 404)."""
+
+
+class LoRAUnloadingError(InvalidParameterError):
+    """A load named an adapter still being unloaded for requests that use it: retry once they have ended."""
 
 
 class LoRARegistry:
@@ -41,6 +48,9 @@ class LoRARegistry:
         self.adapters: dict[str, LoRAInfo] = {}
         self.keys: dict[str, str] = {}  # adapter -> the digest of its files, what its cached KV is keyed by
         self.unloading: set[str] = set()
+        # The adapters the last planned step reads (its requests', aborted ones too, and its loads'): while
+        # that step is in flight its forward may write or read their slots, so none of them is forgotten.
+        self._in_step: frozenset[str] = frozenset()
         self.load_seconds: dict[str, float] = {}  # how long each adapter took to load (metrics)
         self.requests = Counter[str]()  # requests admitted per adapter (metrics)
 
@@ -48,6 +58,11 @@ class LoRARegistry:
         check_lora_name(name, "lora_name")
         if not self.enabled:
             raise InvalidParameterError("enable_lora", "this engine was started without LoRA (enable_lora=False)")
+        if name in self.unloading:  # unloaded, then loaded again (a folder change): the old one goes first
+            if not self._can_forget(name, with_step_in_flight=True):
+                raise LoRAUnloadingError("lora_name", f"the adapter {name!r} is still being unloaded: requests "
+                                                      "still use it; retry once they have ended")  # fmt: skip
+            self._forget(name)
         if name in self.adapters:
             raise InvalidParameterError("lora_name", f"an adapter named {name!r} is already loaded")
         if not isinstance(path, str) or not path:
@@ -83,17 +98,31 @@ class LoRARegistry:
         self.requests[name] += 1
         return self.keys[name]
 
+    def planned(self, batch: Batch, requests: list[Request]) -> None:
+        """``batch`` (planned for ``requests``) is the step now in flight."""
+        loads = {n for _, n in batch.lora_loads or ()}
+        self._in_step = frozenset({r.params.lora for r in requests if r.params.lora is not None} | loads)
+
     def finish_unloads(self) -> None:
         """Forget each unloading adapter no request uses, when no step is in flight (its batch may load it)."""
-        if not self.unloading or self.scheduler.has_step_in_flight:
-            return
-        for name in [n for n in self.unloading if not self.scheduler.uses_lora(n)]:
-            if self.scheduler.lora is not None:
-                self.scheduler.lora.forget(name)
-            self.executor.remove_lora(name)
-            del self.adapters[name]
-            self.unloading.discard(name)
-            self._drop_cached(self.keys.pop(name))
+        for name in [n for n in self.unloading if self._can_forget(n, with_step_in_flight=False)]:
+            self._forget(name)
+
+    def _can_forget(self, name: str, *, with_step_in_flight: bool) -> bool:
+        """No queued or running request uses ``name``, and no step is in flight, or (``with_step_in_flight``:
+        the caller runs between forwards, as ``add`` does on the engine's thread) the step in flight does
+        not read it."""
+        if self.scheduler.uses_lora(name):
+            return False
+        return not self.scheduler.has_step_in_flight or (with_step_in_flight and name not in self._in_step)
+
+    def _forget(self, name: str) -> None:
+        if self.scheduler.lora is not None:
+            self.scheduler.lora.forget(name)
+        self.executor.remove_lora(name)
+        del self.adapters[name]
+        self.unloading.discard(name)
+        self._drop_cached(self.keys.pop(name))
 
     def _drop_cached(self, key: str) -> None:
         # A forgotten adapter's KV is never served again: the same name may come back with other weights

@@ -132,13 +132,34 @@ class RayExecutor(Executor):
             self._gather([s.remove_lora.remote(name) for s in self._shards], self.start_timeout_s, "remove_lora")
 
     def prepare_loras(self, names: list[str]) -> dict[str, str]:
-        """Every shard reads what it lacks; an adapter that failed on any shard failed."""
+        """Every shard reads what it lacks; an adapter that failed on any shard failed.
+
+        Only a dead shard is an ``ExecutorFailure``: a read that raised, or
+        that no shard finished within ``start_timeout_s``, fails ``names``
+        alone (their requests end; the group serves on, a late read only
+        fills that shard's host cache).
+        """
         if not self._shards:
             raise ExecutorFailure("the shard group is down after a failure; call restart() first")
+        refs = [s.prepare_loras.remote(names) for s in self._shards]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
         failed: dict[str, str] = {}
-        for result in self._gather([s.prepare_loras.remote(names) for s in self._shards], self.start_timeout_s,
-                                   "prepare_loras"):  # fmt: skip
-            failed.update(result)
+        if pending:
+            logger.error("LoRA adapters %s: shard rank(s) %s did not read them within %.0f s", names,
+                         sorted(refs.index(r) for r in pending), self.start_timeout_s)  # fmt: skip
+            failed = dict.fromkeys(names, f"its files were not read within {self.start_timeout_s:.0f} s")
+        for ref in ready:
+            rank = refs.index(ref)
+            try:
+                result: dict[str, str] = ray.get(ref)
+            except ray.exceptions.RayTaskError as err:  # the shard lives: its read raised
+                logger.error("LoRA adapters %s: shard rank %d could not read them: %s", names, rank, _first_line(err))
+                result = dict.fromkeys(names, "its files could not be read")
+            except Exception as err:  # noqa: BLE001 - the shard died (or Ray lost it): the group is down
+                self.shutdown()
+                raise ExecutorFailure(f"prepare_loras: shard rank {rank} failed: {type(err).__name__}: "
+                                      f"{_first_line(err)}") from err  # fmt: skip
+            failed = {**result, **failed}  # a rank's own reason, else the first one given
         return failed
 
     def expert_tokens(self) -> tuple[tuple[int, ...], ...]:

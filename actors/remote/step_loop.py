@@ -5,7 +5,9 @@ otherwise awaits an ``asyncio.Event`` that ``wake`` sets (the service calls it
 on each submit), or, while requests wait for KV tier loads, until the first
 one's ``load_wait_s`` runs out. Each step is ``engine.schedule()`` -> ``engine.execute(batch)``
 on one dedicated thread -> ``engine.finish_step()``, so the service's other
-calls are served while the model runs.
+calls are served while the model runs, and while ``execute`` reads the step's
+LoRA adapters evicted from the shards' host cache (one that cannot be read
+ends only its own requests, in ``finish_step``).
 
 Invariant (why there are no data races): the engine's request state
 (scheduler queues, pages, sequences) is touched only on the event loop while

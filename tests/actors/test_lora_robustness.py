@@ -2,29 +2,44 @@
 
 An adapter file larger than any adapter of rank up to ``max_lora_rank`` on
 the base could be is refused before it is read, naming the adapter and not
-the server's folder; an unload whose last request is aborted completes
-without another step; a mixture-of-experts base serves attention adapters
-(against PEFT) and refuses expert targets by name; the LoRA slots exist
-before the free memory that sizes the KV pool is measured.
+the server's folder; an unload whose last request is aborted (or ended by a
+failed step) completes without another step; unload then load of one name
+with a step in flight reloads at once unless the old adapter still serves; a
+mixture-of-experts base serves attention adapters (against PEFT) and refuses
+expert targets by name; the LoRA slots exist before the free memory that
+sizes the KV pool is measured; an evicted adapter is read again off the step
+loop's event loop, and a read that fails or is slow ends only its requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import ray
 import torch
 from safetensors.torch import save_file
 
 import actors.load.lora_adapter as lora_adapter
 import actors.runner.model_runner as model_runner
+from actors.engine.lora_registry import LoRAUnloadingError
+from actors.engine.outputs import SequenceDelta
+from actors.errors import ExecutorFailure
 from actors.load.embedded import build_tokenizer
+from actors.remote.ray_executor import RayExecutor
+from actors.remote.step_loop import StepLoop
 from actors.runner.lora_manager import LoRAManager
 from apps.llm import LLM
+from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import FAMILY_CONFIGS, write_checkpoint
@@ -73,7 +88,12 @@ def test_oversized_adapter_files_are_refused_before_they_are_read(
     assert llm.engine.loras.adapters == {}
 
 
-def test_an_unload_completes_when_its_last_request_is_aborted(tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("end", ["abort", "failed step", "failed executor"])
+def test_an_unload_completes_when_its_last_request_is_aborted(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """Aborted, or ended by a failed step (``fail_step``) or executor (``fail_all``): the engine is idle after,
+    no step comes to finish the unload."""
     adapter = make_peft_adapter(tiny_dir, tmp_path / "a", targets=PROJECTION_SETS["qv"], rank=8, alpha=16, seed=3)
     llm = LLM(str(tiny_dir), **ENGINE)
     llm.load_lora("a", str(adapter))
@@ -83,7 +103,21 @@ def test_an_unload_completes_when_its_last_request_is_aborted(tiny_dir: Path, tm
     engine.step()
     llm.unload_lora("a")
     assert "a" in engine.loras.adapters  # its request still runs on it
-    engine.abort("r")  # the engine is idle now: no step will come to finish the unload
+    if end == "abort":
+        engine.abort("r")
+    else:
+        batch = engine.schedule()
+        assert batch is not None
+
+        def fail(batch: Batch) -> StepOutput:
+            raise RuntimeError("the forward failed")
+
+        monkeypatch.setattr(engine.executor, "execute", fail)
+        with pytest.raises(RuntimeError):
+            engine.execute(batch)
+        ended = engine.fail_step("failed") if end == "failed step" else engine.fail_all("failed", kv_lost=True)
+        assert [(d.request_id, d.finish_reason) for d in ended] == [("r", "error")]
+        monkeypatch.undo()
     assert "a" not in engine.loras.adapters and not engine.has_unfinished
     llm.load_lora("a", str(adapter))  # the name is free again
     assert_pool_clean(llm)
@@ -190,3 +224,143 @@ def test_an_evicted_adapter_that_cannot_be_read_again_ends_only_its_requests(
     assert got["rb"] == want["b"] and got["base"] == want["base"]
     assert "a" in engine.loras.adapters  # still registered: its next request is tried (and refused) alike
     assert_pool_clean(llm)
+
+
+def test_a_folder_change_reloads_at_once_unless_the_old_adapter_still_serves(tiny_dir: Path, tmp_path: Path) -> None:
+    """Unload then load of one name (``ReplicaLoRAs.resolve`` after a folder change) with a step in flight, as
+    on a busy replica: the old adapter goes at once when nothing uses it, else the load is refused as
+    retryable, naming ``lora_name``, until its requests end."""
+    old, new = (make_peft_adapter(tiny_dir, tmp_path / name, targets=PROJECTION_SETS["qv"], rank=8, alpha=16,
+                                  seed=seed) for name, seed in (("old", 3), ("new", 4)))  # fmt: skip
+    llm = LLM(str(tiny_dir), **ENGINE)
+    engine = llm.engine
+    old_key = llm.load_lora("a", str(old)).key
+    prompts = _prompts(4, 2)
+    long = replace(GREEDY, max_tokens=50)
+    engine.add_request("base", prompts[0], long, prompt_token_ids=prompts[0])
+    engine.add_request("ra", prompts[1], replace(long, lora="a"), prompt_token_ids=prompts[1])
+    batch = engine.schedule()  # in flight from here to finish_step
+    assert batch is not None
+    engine.loras.remove("a")
+    with pytest.raises(LoRAUnloadingError) as err:  # "ra" still runs on the old weights
+        engine.loras.add("a", str(new))
+    assert err.value.param == "lora_name" and "retry" in str(err.value)
+    engine.abort("ra")
+    with pytest.raises(LoRAUnloadingError):  # the forward in flight still writes or reads its slot
+        engine.loras.add("a", str(new))
+    engine.finish_step(batch, engine.execute(batch))
+    engine.loras.add("a", str(old))  # nothing uses it now: reloadable, no step in flight needed
+    batch = engine.schedule()  # a base-model step in flight
+    assert batch is not None
+    engine.loras.remove("a")
+    info = engine.loras.add("a", str(new))  # the old one went first
+    assert info.key != old_key and engine.loras.serving() == ["a"]
+    engine.finish_step(batch, engine.execute(batch))
+    engine.abort("base")
+    assert_pool_clean(llm)
+
+
+def test_an_evicted_adapter_is_read_off_the_event_loop_and_a_failed_read_ends_only_its_requests(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """In the step loop the adapter is read on the engine's thread with the lock free (the service answers
+    meanwhile), and a read that fails ends its requests alone: the executor is not restarted."""
+    made = {name: make_peft_adapter(tiny_dir, tmp_path / name, targets=PROJECTION_SETS["qv"], rank=8, alpha=16,
+                                    seed=seed) for name, seed in (("a", 5), ("b", 6))}  # fmt: skip
+    llm = LLM(str(tiny_dir), **{**ENGINE, "max_loras": 1, "max_cpu_loras": 1})
+    llm.load_lora("a", str(made["a"]))
+    llm.load_lora("b", str(made["b"]))  # a is evicted from the host cache: the step reads it again
+    (made["a"] / lora_adapter.WEIGHTS_FILE).unlink()
+    engine = llm.engine
+    gate, reading = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    read = engine.executor.prepare_loras
+
+    def slow_read(names: list[str]) -> dict[str, str]:
+        seen["thread"] = threading.get_ident()
+        reading.set()
+        seen["opened"] = gate.wait(10.0)  # a loop blocked by this read could never open it: 10 s, then on
+        return read(names)
+
+    engine.executor.prepare_loras = slow_read  # type: ignore[method-assign]
+    deltas: list[SequenceDelta] = []
+    prompts = _prompts(5, 2)
+
+    async def serve() -> None:
+        with ThreadPoolExecutor(1) as thread:
+            loop = StepLoop(engine, thread, deltas.extend, lambda: None)
+            loop.start()
+            async with loop.lock:
+                engine.add_request("ra", prompts[0], replace(GREEDY, lora="a"), prompt_token_ids=prompts[0])
+            loop.wake()
+            deadline, delay = time.monotonic() + 30.0, 0.01
+            while not reading.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+            async with loop.lock:  # free while the adapter is read: requests come in meanwhile
+                engine.add_request("base", prompts[1], GREEDY, prompt_token_ids=prompts[1])
+            seen["loop"] = threading.get_ident()
+            gate.set()
+            loop.wake()
+            delay = 0.01
+            while {"ra", "base"} - {d.request_id for d in deltas if d.finish_reason} and time.monotonic() < deadline:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+            seen["health"] = loop.health.ok
+            loop.stop()
+            loop.wake()
+            await loop.wait_stopped(10.0)
+
+    try:
+        asyncio.run(serve())
+    finally:
+        gate.set()
+    assert seen["opened"] is True and seen["thread"] != seen["loop"] and seen["health"] is True, seen
+    ends = {d.request_id: (d.finish_reason, d.error) for d in deltas if d.finish_reason}
+    assert ends["ra"][0] == "error" and "'a'" in (ends["ra"][1] or "") and ends["base"] == ("length", None), ends
+    assert "a" in engine.loras.adapters and not engine.has_unfinished
+    assert_pool_clean(llm)
+
+
+class _Ref:
+    """A stand-in ObjectRef: what a shard's ``prepare_loras`` call answers (None: it has not answered yet)."""
+
+    def __init__(self, answer: dict[str, str] | BaseException | None) -> None:
+        self.answer = answer
+
+
+def test_a_shard_read_that_raises_or_is_slow_fails_its_adapters_not_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RayExecutor.prepare_loras``: only a dead shard is an ``ExecutorFailure`` (the group torn down)."""
+
+    def wait(refs: list[_Ref], num_returns: int, timeout: float) -> tuple[list[_Ref], list[_Ref]]:
+        return [r for r in refs if r.answer is not None], [r for r in refs if r.answer is None]
+
+    def get(ref: _Ref) -> dict[str, str]:
+        if isinstance(ref.answer, BaseException):
+            raise ref.answer
+        assert ref.answer is not None
+        return ref.answer
+
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", get)
+    raised = ray.exceptions.RayTaskError("prepare_loras", "Traceback ...", MemoryError("no memory"))
+    died = ray.exceptions.ActorDiedError()
+
+    def executor(*answers: dict[str, str] | BaseException | None) -> RayExecutor:
+        ex = RayExecutor.__new__(RayExecutor)  # no cluster: the shards are stand-ins
+        ex._shards = [SimpleNamespace(prepare_loras=SimpleNamespace(remote=lambda names, a=a: _Ref(a)))
+                      for a in answers]  # fmt: skip
+        ex._channel, ex._pg, ex.start_timeout_s = None, None, 5.0
+        return ex
+
+    names = ["a", "b"]
+    assert executor({}, {"b": "gone"}).prepare_loras(names) == {"b": "gone"}
+    slow: tuple[dict[str, str] | BaseException | None, ...]
+    for slow in (({}, raised), ({}, None)):  # a read that raised, one not done in time
+        ex = executor(*slow)
+        failed = ex.prepare_loras(names)
+        assert set(failed) == {"a", "b"} and ex.shards, (slow, failed)
+    ex = executor({}, died)
+    with pytest.raises(ExecutorFailure, match="rank 1"):
+        ex.prepare_loras(names)
+    assert not ex.shards

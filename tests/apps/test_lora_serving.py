@@ -19,9 +19,11 @@ from typing import cast
 
 import pytest
 
+from actors.engine.lora_registry import LoRAUnloadingError
 from actors.remote.scheduler_handle import SchedulerHandle
 from actors.runner.lora_manager import LoRAInfo
 from apps.errors import APIError
+from apps.http_responses import RETRY_AFTER_S, error_json
 from apps.lora_serving import LoRACatalog, ReplicaLoRAs, checked_modules, lora_folder
 from scheduling.errors import InvalidParameterError
 
@@ -54,12 +56,15 @@ class Engine:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.unreadable: set[str] = set()  # folders refused as LoRAManager refuses them, naming the folder
+        self.reloading: set[str] = set()  # folders whose name's old adapter still serves requests (LoRARegistry)
 
     async def add_lora(self, name: str, path: str) -> LoRAInfo:
         await asyncio.sleep(0)
         self.calls.append(("add", f"{name}={path}"))
         if path in self.unreadable:
             raise InvalidParameterError("lora_path", f"adapter {path!r}: no such folder")
+        if path in self.reloading:
+            raise LoRAUnloadingError("lora_name", f"the adapter {name!r} is still being unloaded")
         return LoRAInfo(name=name, path=str(Path(path)), rank=8, targets=("q_proj",),
                         key=f"digest-{name}")  # as LoRAManager.add  # fmt: skip
 
@@ -148,6 +153,12 @@ def test_a_configured_folder_that_fails_to_load_is_a_500_that_names_no_folder(
         assert err.value.status == 500 and err.value.code == "lora_load_failed" and "'a'" in str(err.value)
         assert "/srv" not in str(err.value) and "a" not in one.loaded
         assert "/srv/secret/a" in caplog.text  # the operator still learns why
+        engines[0].unreadable.clear()
+        engines[0].reloading.add("/srv/secret/a")  # the name's old adapter still serves: retry, not a failure
+        with pytest.raises(APIError) as err:
+            await one.resolve("a")
+        assert err.value.status == 503 and err.value.code == "lora_reloading" and "/srv" not in str(err.value)
+        assert error_json(err.value).headers["retry-after"] == str(RETRY_AFTER_S)
 
     with caplog.at_level(logging.ERROR, logger="apps.lora_serving"):
         asyncio.run(run())

@@ -19,7 +19,10 @@ Files are sized before they are read: ``adapter_config.json`` above
 ``MAX_CONFIG_BYTES``, or weights larger than any adapter of rank up to
 ``max_lora_rank`` on the base model's shapes could be (``max_weight_bytes``,
 from ``LoRAManager``), are refused naming the adapter, so an admin request
-cannot make a replica read a huge file into memory.
+cannot make a replica read a huge file into memory. Then the weights file's
+safetensors header alone is read, and every tensor it declares is checked
+against the base model's shapes (``module_dims``) before any tensor is: a
+file is read only when it holds exactly an adapter of this model.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
@@ -59,6 +63,7 @@ LORA_TARGETS: dict[str, tuple[str, str | int | None]] = {
     "qkv_proj": ("self_attn.qkv_proj", None),
     "gate_up_proj": ("mlp.gate_up_proj", None),
 }
+FUSED_TARGETS = ("qkv_proj", "gate_up_proj")  # the names of fused checkpoints (Phi-3); the others name one part
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # A mixture-of-experts layer's experts (Qwen's mlp.experts.N / mlp.shared_expert, Mixtral's block_sparse_moe).
 _EXPERT_KEY = re.compile(r"^base_model\.model\.model\.layers\.\d+\.(mlp|block_sparse_moe)\.(experts|shared_expert)\.")
@@ -70,6 +75,11 @@ _UNSUPPORTED = {  # adapter_config.json key -> why it cannot be honoured (when s
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "layer_replication": "layer_replication",
 }
+
+
+# (layer, HF module name) -> the (in, out) features of that module in the base model (a fused module's: all
+# its parts'), None where the layer has no such dense projection (a mixture-of-experts layer's MLP).
+ModuleDims = Callable[[int, str], tuple[int, int] | None]
 
 
 @dataclass(frozen=True)
@@ -134,11 +144,14 @@ def _size(file: Path, name: str, limit: int | None) -> None:
 
 
 def read_adapter(
-    name: str, path: str | Path, *, max_rank: int, num_layers: int, max_weight_bytes: int | None = None
+    name: str, path: str | Path, *, max_rank: int, num_layers: int, max_weight_bytes: int | None = None,
+    module_dims: ModuleDims | None = None,
 ) -> LoRAAdapter:
-    """Read and check the PEFT adapter in folder ``path`` (shapes are checked against the model later).
+    """Read and check the PEFT adapter in folder ``path``.
 
     ``max_weight_bytes``: refuse a larger weights file before reading it (``weight_bytes_bound``).
+    ``module_dims``: the base model's shapes; every tensor the file declares must fit them, checked from
+    its header before any tensor is read (None: a caller without a model, which checks nothing of shapes).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -170,6 +183,8 @@ def read_adapter(
         raise _refuse(folder, f"lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     _size(folder / WEIGHTS_FILE, name, max_weight_bytes)
+    if module_dims is not None:
+        _check_header(name, folder, rank, num_layers, module_dims)
     try:
         tensors = load_file(folder / WEIGHTS_FILE, device="cpu")
     except FileNotFoundError:
@@ -183,23 +198,68 @@ def read_adapter(
     )  # fmt: skip
 
 
+def _target(folder: Path, key: str, num_layers: int) -> tuple[int, str, str]:
+    """(layer, HF module, "A" or "B") of tensor ``key``, refusing what flotilla does not serve."""
+    m = _KEY.match(key)
+    if m is None and _EXPERT_KEY.match(key):
+        raise _refuse(folder, f"tensor {key!r} adapts a mixture-of-experts layer's experts: LoRA is served "
+                              "on a mixture-of-experts model's attention projections only")  # fmt: skip
+    if m is None:
+        raise _refuse(folder, f"tensor {key!r} is not the lora_A/lora_B of a decoder layer's projection")
+    layer, hf_module, which = int(m.group(1)), m.group(3), m.group(4)
+    if hf_module not in LORA_TARGETS:
+        raise _refuse(folder, f"adapts {hf_module!r}; flotilla serves LoRA on {', '.join(LORA_TARGETS)}")
+    if layer >= num_layers:
+        raise _refuse(folder, f"adapts layer {layer}, and the base model has {num_layers} layers: "
+                              "it was trained on another base model")  # fmt: skip
+    return layer, hf_module, which
+
+
+def _check_header(name: str, folder: Path, rank: int, num_layers: int, module_dims: ModuleDims) -> None:
+    """Refuse a weights file whose header declares any tensor this base model's adapter of rank ``rank``
+    would not hold: lora_A must be (r, in) and lora_B (out, r) of its module's features. Reads the header
+    only (its length is bounded: ``_HEADER_BYTES_BASE`` plus ``_HEADER_BYTES_PER_TENSOR`` per possible tensor)."""
+    file = folder / WEIGHTS_FILE
+    max_header = _HEADER_BYTES_BASE + 2 * len(LORA_TARGETS) * num_layers * _HEADER_BYTES_PER_TENSOR
+    try:
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if length > max_header:
+                raise InvalidParameterError("lora_path", f"adapter {name!r}: {WEIGHTS_FILE} has a header of "
+                                                         f"{length} bytes, more than an adapter's can be")  # fmt: skip
+            header = json.loads(f.read(length))
+    except FileNotFoundError:
+        raise _refuse(folder, f"no {WEIGHTS_FILE} (only the safetensors format is read)") from None
+    except (OSError, ValueError) as e:
+        raise _refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise _refuse(folder, f"{WEIGHTS_FILE} is not a readable safetensors file: its header is not an object")
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        layer, hf_module, which = _target(folder, key, num_layers)
+        shape = info.get("shape") if isinstance(info, dict) else None
+        dims = module_dims(layer, hf_module)
+        if dims is None:
+            raise InvalidParameterError(
+                "lora_path", f"adapter {name!r} adapts {hf_module} in layer {layer}, which has no such dense "
+                "projection (a mixture-of-experts layer's experts take no LoRA: there, adapters are served on "
+                "the attention projections only)",
+            )  # fmt: skip
+        want = [rank, dims[0]] if which == "A" else [dims[1], rank]
+        if shape != want:
+            raise InvalidParameterError(
+                "lora_path", f"adapter {name!r}: layer {layer} {hf_module} lora_{which} is {shape}, an adapter of "
+                f"rank {rank} on this base model has {want}: it was trained on another base model or rank",
+            )  # fmt: skip
+
+
 def _parts(
     folder: Path, tensors: dict[str, torch.Tensor], rank: int, scaling: float, num_layers: int
 ) -> tuple[LoRAPart, ...]:
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        m = _KEY.match(key)
-        if m is None and _EXPERT_KEY.match(key):
-            raise _refuse(folder, f"tensor {key!r} adapts a mixture-of-experts layer's experts: LoRA is served "
-                                  "on a mixture-of-experts model's attention projections only")  # fmt: skip
-        if m is None:
-            raise _refuse(folder, f"tensor {key!r} is not the lora_A/lora_B of a decoder layer's projection")
-        layer, hf_module, which = int(m.group(1)), m.group(3), m.group(4)
-        if hf_module not in LORA_TARGETS:
-            raise _refuse(folder, f"adapts {hf_module!r}; flotilla serves LoRA on {', '.join(LORA_TARGETS)}")
-        if layer >= num_layers:
-            raise _refuse(folder, f"adapts layer {layer}, and the base model has {num_layers} layers: "
-                                  "it was trained on another base model")  # fmt: skip
+        layer, hf_module, which = _target(folder, key, num_layers)
         pairs.setdefault((layer, hf_module), {})[which] = tensor
     if not pairs:
         raise _refuse(folder, f"{WEIGHTS_FILE} holds no LoRA weights")

@@ -200,42 +200,31 @@ class LoRAManager:
         return self._read(name, path)
 
     def _read(self, name: str, path: Path) -> LoRAAdapter:
+        # Every tensor's shape is checked against this model from the file's header, before it is read.
         adapter = read_adapter(name, path, max_rank=self.max_rank, num_layers=self.num_layers,
-                               max_weight_bytes=self.max_weight_bytes)
-        adapter = replace(adapter, parts=tuple(p for part in adapter.parts for p in self._split_fused(name, part)))
-        for part in adapter.parts:
-            linear = self.layers.get((part.layer, part.module))
-            if linear is None:
-                hf_module = next(k for k, v in LORA_TARGETS.items() if v == (part.module, part.part))
-                raise InvalidParameterError(
-                    "lora_path", f"adapter {name!r} adapts {hf_module} in layer {part.layer}, which has no such "
-                    "dense projection (a mixture-of-experts layer's experts take no LoRA: there, adapters are "
-                    "served on the attention projections only)",
-                )  # fmt: skip
-            want = linear.lora_dims(part.part)
-            got = (part.a.shape[1], part.b.shape[0])
-            if got != want:
-                raise InvalidParameterError(
-                    "lora_path", f"adapter {str(path)!r}: layer {part.layer} {part.module} part {part.part!r} is "
-                    f"{got[0]} -> {got[1]} features, the base model's is {want[0]} -> {want[1]}: it was "
-                    "trained on another base model",
-                )  # fmt: skip
-        return adapter
+                               max_weight_bytes=self.max_weight_bytes, module_dims=self.module_dims)
+        return replace(adapter, parts=tuple(p for part in adapter.parts for p in self._split_fused(part)))
 
-    def _split_fused(self, name: str, part: LoRAPart) -> tuple[LoRAPart, ...]:
+    def module_dims(self, layer: int, hf_module: str) -> tuple[int, int] | None:
+        """The full (in, out) features of ``hf_module`` in ``layer`` as an adapter holds them (a fused module's
+        out: all its parts'); None where the layer has no such dense projection (``ModuleDims``)."""
+        module, part = LORA_TARGETS[hf_module]
+        linear = self.layers.get((layer, module))
+        if linear is None:
+            return None
+        if part is None and len(linear.shard_ids) > 1:
+            dims = [linear.lora_dims(shard) for shard in linear.shard_ids]
+            return dims[0][0], sum(out for _, out in dims)
+        return linear.lora_dims(part)
+
+    def _split_fused(self, part: LoRAPart) -> tuple[LoRAPart, ...]:
         """A fused module's adapter (Phi-3's ``qkv_proj``: part None on a layer of several parts) as one part per
-        fused part: each keeps the shared ``a`` and its own rows of ``b``, which is exactly the fused product."""
-        linear = self.layers.get((part.layer, part.module))
-        if part.part is not None or linear is None or len(linear.shard_ids) == 1:
+        fused part: each keeps the shared ``a`` and its own rows of ``b``, which is exactly the fused product
+        (``module_dims`` checked that ``b`` has every part's rows)."""
+        linear = self.layers[(part.layer, part.module)]
+        if part.part is not None or len(linear.shard_ids) == 1:
             return (part,)
-        sizes = [linear.lora_dims(shard)[1] for shard in linear.shard_ids]
-        if part.b.shape[0] != sum(sizes) or part.a.shape[1] != linear.in_features:
-            raise InvalidParameterError(
-                "lora_path", f"adapter {name!r}: layer {part.layer} {part.module} is {part.a.shape[1]} -> "
-                f"{part.b.shape[0]} features, the base model's is {linear.in_features} -> {sum(sizes)}: it was "
-                "trained on another base model",
-            )  # fmt: skip
-        rows = part.b.split(sizes)
+        rows = part.b.split([linear.lora_dims(shard)[1] for shard in linear.shard_ids])
         return tuple(replace(part, part=shard, b=b) for shard, b in zip(linear.shard_ids, rows, strict=True))
 
     def _cache(self, adapter: LoRAAdapter) -> None:

@@ -85,6 +85,16 @@ def test_oversized_adapter_files_are_refused_before_they_are_read(
         message = str(err.value)
         assert err.value.param == "lora_path" and f"adapter {name!r}" in message and file in message, message
         assert str(tmp_path) not in message  # the folder is the server's to know
+    # Within the size bound, yet not this model's adapter: its header alone is read, and names the tensor.
+    hidden = json.loads((tiny_dir / "config.json").read_text())["hidden_size"]
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    wide = _write(tmp_path / "wide", {key.format("A"): torch.zeros(8, 3 * hidden),
+                                      key.format("B"): torch.zeros(hidden, 8)})  # fmt: skip
+    with pytest.raises(InvalidParameterError) as err:
+        llm.load_lora("wide", str(wide))
+    message = str(err.value)
+    assert f"lora_A is [8, {3 * hidden}]" in message and f"[8, {hidden}]" in message, message
+    assert err.value.param == "lora_path" and str(tmp_path) not in message
     assert llm.engine.loras.adapters == {}
 
 

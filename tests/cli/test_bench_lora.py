@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from actors.load.lora_adapter import LORA_TARGETS, read_adapter
-from cli.bench.lora.adapters import ProjectionShapes, write_adapters
+from cli.bench.lora.adapters import ALL_PROJECTIONS, ProjectionShapes, write_adapters
 from cli.bench.lora.served import counter_totals
 from cli.main import main
 from scheduling.errors import InvalidParameterError
@@ -23,8 +23,8 @@ def test_written_adapters_read_back_with_the_models_shapes(tiny_model_dir: Path,
     first, second = write_adapters(tiny_model_dir, tmp_path, 2, rank=4, seed=7)
     a = read_adapter("a", first, max_rank=4, num_layers=shapes.num_layers)
     b = read_adapter("b", second, max_rank=4, num_layers=shapes.num_layers)
-    assert a.rank == 4 and a.scaling == 2.0 and set(a.targets) == set(LORA_TARGETS)
-    assert len(a.parts) == shapes.num_layers * len(LORA_TARGETS)
+    assert a.rank == 4 and a.scaling == 2.0 and set(a.targets) == set(ALL_PROJECTIONS)
+    assert len(a.parts) == shapes.num_layers * len(ALL_PROJECTIONS)
     by_key = {(p.layer, p.module, p.part): p for p in b.parts}
     for part in a.parts:
         hf = next(name for name, where in LORA_TARGETS.items() if where == (part.module, part.part))
@@ -50,6 +50,11 @@ def test_a_whole_run_on_tiny(tiny_model_dir: Path, capsys: pytest.CaptureFixture
     assert cyc["lora_slot_loads"] >= 1 and cyc["per_run"][0]["base"]["slot_loads"] == 0
     # Requests wait for a slot, so the LoRA batches are smaller than the base's (all 6 at once).
     assert cyc["base_mean_seqs_per_step"] > cyc["lora_mean_seqs_per_step"]
+    # Against the settings, not the output: the base runs all 6 requests in each of 3 steps (a prefill step
+    # gives token 1, two decode steps tokens 2 and 3); either way each request is in 3 steps, 18 in all.
+    assert (cyc["base_steps"], cyc["base_mean_seqs_per_step"]) == (3, 6)
+    assert cyc["lora_steps"] > 3
+    assert cyc["lora_mean_seqs_per_step"] * cyc["lora_steps"] == pytest.approx(6 * 3, abs=0.005 * cyc["lora_steps"])
 
 
 @pytest.mark.parametrize(("flags", "name"), [

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from actors.load.lora_adapter import CONFIG_FILE, LORA_TARGETS, WEIGHTS_FILE
+from actors.load.lora_adapter import CONFIG_FILE, FUSED_TARGETS, LORA_TARGETS, WEIGHTS_FILE
 from scheduling.errors import InvalidParameterError
 
-ALL_PROJECTIONS: tuple[str, ...] = tuple(LORA_TARGETS)  # q, k, v, o, gate, up, down
+ALL_PROJECTIONS: tuple[str, ...] = tuple(t for t in LORA_TARGETS if t not in FUSED_TARGETS)  # q, k, v, o, gate, up, down
 DEFAULT_SCALE = 0.02  # std of every A and B entry: deltas well under the base's outputs, logits stay finite
 
 

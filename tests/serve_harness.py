@@ -127,19 +127,34 @@ def live_server(model_dir: Path, actor_name: str = "scheduler", **app_args: Any)
     The replica's scheduler actor is named ``actor_name``, unless ``app_args``
     place the scheduler in the replica (``scheduler_placement="replica"``).
     """
+    with _auth_disabled():
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            in_replica = app_args.get("scheduler_placement") == "replica"
+            named = {} if in_replica else {"scheduler_options": {"name": actor_name, "namespace": ACTOR_NAMESPACE}}
+            args = {"model": str(model_dir), "served_model_name": "tiny", "num_replicas": 1,
+                    **named, **ENGINE, **app_args}
+            serve.run(build_app(args), name="flotilla", route_prefix="/")
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url)
+            yield LiveServer(url, None if in_replica else actor_name)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def _auth_disabled() -> Iterator[None]:
+    """``RAY_AUTH_MODE=disabled`` while a test's own loopback cluster runs (not for the rest of the session:
+    a later test must not inherit it); the caller's value is back afterwards."""
+    old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        in_replica = app_args.get("scheduler_placement") == "replica"
-        named = {} if in_replica else {"scheduler_options": {"name": actor_name, "namespace": ACTOR_NAMESPACE}}
-        args = {"model": str(model_dir), "served_model_name": "tiny", "num_replicas": 1,
-                **named, **ENGINE, **app_args}
-        serve.run(build_app(args), name="flotilla", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url)
-        yield LiveServer(url, None if in_replica else actor_name)
+        yield
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if old is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = old

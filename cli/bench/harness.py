@@ -84,7 +84,8 @@ def ray_running(num_cpus: int) -> Iterator[None]:
     started = not ray.is_initialized()
     if started:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # address="local": a cluster of its own, never one another process left running on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from actors.load.embedded import build_tokenizer
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
-from tests.actors.checkpoints import build_hf_model, hf_greedy, llama_config, write_checkpoint
+from tests.actors.checkpoints import build_hf_model, llama_config, write_checkpoint
 from tests.actors.test_engine_oracle import MAX_TOKENS, MODES, PROMPTS
 from tests.actors.test_spec_decode import assert_pages_free
 
@@ -46,12 +47,26 @@ def references(model_dir: Path) -> dict[str, list[list[int]]]:
     return out
 
 
-def test_quantized_kv_stays_close_to_the_fp_model(model_dir: Path, references: dict[str, list[list[int]]]) -> None:
+# A quantized K or V element is off by at most half a step of its vector's scale: 1/254 of the vector's largest
+# element for int8 (127 levels a side), 2^-4 relative for fp8 e4m3 (3 mantissa bits). The attention output, a
+# softmax-weighted mean of V over scores of K, and so this model's O(1) logits move by about that fraction, so
+# a greedy pick may differ from the fp model's only where the fp model's top two logits are that close.
+# (Measured on this model: picks within 0.0015 of the fp best for int8 and 0.025 for fp8.)
+NEAR_TIE = {"int8": 1 / 254, "fp8": 2**-4}
+
+
+def test_quantized_kv_picks_only_what_the_fp_model_nearly_ties(
+    model_dir: Path, references: dict[str, list[list[int]]]
+) -> None:
+    """Teacher-forced on each quantized run's own tokens, the fp model scores every picked token within
+    ``NEAR_TIE`` of its best: a run on wrong pages (a bad scale, a stale page) picks tokens far below it."""
     hf = build_hf_model(llama_config(), 0)
-    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     for kv in KV_DTYPES:
-        same = sum(a == b for a, b in zip(references[kv], expected, strict=True))
-        assert same >= 0.75 * len(PROMPTS), (kv, same)
+        for prompt, tokens in zip(PROMPTS, references[kv], strict=True):
+            with torch.inference_mode():
+                logits = hf(torch.tensor([prompt + list(tokens)])).logits[0, len(prompt) - 1 : -1]
+            gap = logits.max(-1).values - logits[torch.arange(len(tokens)), torch.tensor(list(tokens))]
+            assert float(gap.max()) <= NEAR_TIE[kv], (kv, prompt, gap.tolist())
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)

@@ -45,9 +45,12 @@ def cluster() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
         mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        ray.init(num_cpus=4, include_dashboard=False)
-        yield
-        ray.shutdown()
+        # address="local": never attach to another cluster running on this machine.
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from tests.serve_harness import ACTOR_NAMESPACE, LiveServer, http, poll_until
 APP = "faults"
 DEADLINE_S = 180.0  # bound of every wait (a replacement starts 2-3 processes; CI boxes are slow)
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}  # fits max_model_len below
+RETRIED = "retried after the kill"  # the prompt of the stream the replica kill must retry
 
 
 @pytest.fixture(scope="module")
@@ -195,25 +196,26 @@ def test_shard_kill_under_load(faults: LiveServer, sdk: Client) -> None:
     _ends_ok(faults)
 
 
-def test_replica_kill_mid_stream(faults: LiveServer, sdk: Client) -> None:
+def test_replica_kill_mid_stream(faults: LiveServer, sdk: Client, tiny_llm: LLM) -> None:
     """A stream with tokens ends in a clear error; one with none yet is retried on the new replica."""
     control = Signals.remote()  # type: ignore[attr-defined]
     ray.get(_scheduler(faults).__ray_call__.remote(install_faults, control))
     old, group = _replica_id(), _shard_group(faults)
     assert old is not None
+    # The retried stream must give the whole greedy answer once: not a prefix, not tokens twice.
+    [want] = tiny_llm.generate([RETRIED], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     with _group_released(group):
-        _kill_replica_mid_stream(faults, sdk, control, old)
+        _kill_replica_mid_stream(faults, sdk, control, old, want.outputs[0].text)
 
 
-def _kill_replica_mid_stream(faults: LiveServer, sdk: Client, control: Any, old: str) -> None:
+def _kill_replica_mid_stream(faults: LiveServer, sdk: Client, control: Any, old: str, want: str) -> None:
     started = _stream_until_first_token(sdk, "killed mid-stream")
     # Hold the next step, so a second stream is queued with no token when the replica dies.
     ray.get(control.plan_.remote(NEXT_STEP, "hold:replica"))
     ray.get(control.wait.remote("replica/in"))
     with Client(faults.url, timeout=DEADLINE_S, max_retries=6, backoff_base=0.5,
                 backoff_cap=4.0) as retrying, cf.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(lambda: _drain_text(retrying.stream("retried after the kill", max_tokens=8,
-                                                                  temperature=0.0)))
+        pending = pool.submit(lambda: _drain_text(retrying.stream(RETRIED, max_tokens=8, temperature=0.0)))
         _until("the second request to reach the scheduler",
                lambda: faults.stats().num_unfinished_requests == 2)
         [replica] = replica_actors(APP)
@@ -223,7 +225,7 @@ def _kill_replica_mid_stream(faults: LiveServer, sdk: Client, control: Any, old:
         assert isinstance(err, (APIConnectionError, APIStatusError)), "a killed stream must end in an error"
         text, attempts = pending.result(DEADLINE_S)
         assert attempts >= 2, "the request with no token yet should have been retried"
-        assert isinstance(text, str)
+        assert text == want, (text, want)
     _healthy_again(faults, old)
     _ends_ok(faults)
 

@@ -12,6 +12,7 @@ adapter; every page is free at the end.
 
 from __future__ import annotations
 
+import itertools
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +23,10 @@ import ray
 
 from apps.llm import LLM
 from apps.lora_serving import CATALOG_NAMESPACE
+from flotilla.prometheus import parse_prometheus
 from scheduling.sampling_params import SamplingParams
 from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
-from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, app_beside, http
+from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, app_beside, http, poll_until
 
 APP = "lora"
 PROMPTS = [[40 + i, 7, 99, 3 * i + 5, 12, 200 - i] for i in range(4)]
@@ -54,6 +56,7 @@ def offline(tiny_model_dir: Path, adapters: dict[str, Path]) -> dict[str, list[s
 def lora_app(live: LiveServer, tiny_model_dir: Path, adapters: dict[str, Path]) -> Iterator[LiveServer]:
     args = {**ENGINE, "model": str(tiny_model_dir), "served_model_name": "tiny", "scheduler_placement": "replica",
             "num_replicas": 2, "max_lora_rank": 8, "max_loras": 2, "lora_modules": {"a": str(adapters["a"])},
+            "runtime_lora_updates": True,
             "replica_options": {"num_cpus": 0.5}}  # fmt: skip
     with app_beside(live, args, APP, None) as server:
         yield server
@@ -72,6 +75,7 @@ def test_adapters_by_model_load_unload_and_metrics(
     assert status == 200
     cards = {c["id"]: c for c in body["data"]}
     assert set(cards) == {"tiny", "a"} and cards["a"]["parent"] == "tiny" and "parent" not in cards["tiny"]
+    assert str(adapters["a"]) not in str(body)  # names only: folders are the server's
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="b", prompt=PROMPTS[0], max_tokens=2)
     # Load b at run time: refused with a bad folder, then served by every replica.
@@ -81,8 +85,22 @@ def test_adapters_by_model_load_unload_and_metrics(
     assert status == 200 and body["id"] == "b" and body["parent"] == "tiny", body
     status, body = http(f"{lora_app.url}/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(adapters["b"])})
     assert status == 400 and body["error"]["param"] == "lora_name"
-    for _ in range(3):  # several rounds: both replicas see b (each loads it on its first request)
-        assert _texts(client, "b") == detok["b"]
+    assert _texts(client, "b") == detok["b"]
+    # Every replica serves b right (each loads it on its first request). A fresh routing key per request
+    # spreads them by load; /metrics answers from one replica at a time, its requests per adapter by its tag.
+    served: dict[str, float] = {}
+    keys = itertools.count()
+
+    def every_replica_served_b() -> bool:
+        n = next(keys)
+        got = client.completions.create(model="b", prompt=PROMPTS[n % len(PROMPTS)], max_tokens=MAX_TOKENS,
+                                         temperature=0, extra_body={"ignore_eos": True},
+                                         extra_headers={"X-Flotilla-Prefix": f"spread-{n}"})
+        assert got.choices[0].text == detok["b"][n % len(PROMPTS)], n
+        served.update(_requests_by_replica(lora_app.url, "b"))
+        return len(served) == 2 and min(served.values()) > 0
+
+    poll_until(every_replica_served_b, TIMEOUT, lambda: f"both replicas to serve b; requests by replica: {served}")
     with urllib.request.urlopen(f"{lora_app.url}/metrics", timeout=TIMEOUT) as resp:  # one replica's figures
         metrics = resp.read().decode()
     assert 'adapter="a"' in metrics or 'adapter="b"' in metrics, metrics[-2000:]
@@ -95,6 +113,14 @@ def test_adapters_by_model_load_unload_and_metrics(
     status, body = http(f"{lora_app.url}/v1/unload_lora_adapter", {"lora_name": "b"})
     assert status == 404
     lora_app.assert_pages_free()
+
+
+def _requests_by_replica(url: str, adapter: str) -> dict[str, float]:
+    """``flotilla:lora_requests_total`` for ``adapter`` by replica tag, from the one replica that answers."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=TIMEOUT) as resp:
+        families = parse_prometheus(resp.read().decode())
+    return {s.labels["replica"]: s.value for samples in families.values() for s in samples
+            if s.name == "flotilla:lora_requests_total" and s.labels.get("adapter") == adapter}
 
 
 def _texts(client: openai.OpenAI, model: str) -> list[str]:

@@ -35,8 +35,19 @@ def test_a_small_run_prints_both_models_and_their_ratios(tmp_path: Path) -> None
                     "decode_step_ms_batch1", "decode_bytes_per_step", "decode_bytes_per_step_batch1"):
             assert figures[key] > 0, (name, key)
         assert Path(figures["model"]).parent == tmp_path / "models"
-    assert out["moe"]["expected_experts_per_layer"]["batch1"] == SMALL.top_k
-    assert SMALL.top_k < out["moe"]["expected_experts_per_layer"]["batch4"] <= SMALL.experts
+    # Against the shape by hand, not the planner: batch b of tokens each picking 2 of 8 experts reaches
+    # 8 (1 - (6/8)^b) distinct experts a layer (5.47 at 4); an expert's MLP is 3 x 64 x 32 float32.
+    touched4 = 8 * (1 - (6 / 8) ** 4)
+    assert out["moe"]["expected_experts_per_layer"] == {"batch1": 2.0, "batch4": round(touched4, 2)}
+    expert_bytes, router_bytes = 3 * 64 * 32 * 4, 64 * 8 * 4
+    # A decode step's bytes differ only in the MLPs: the experts touched and the router against the dense MLP,
+    # as wide as top_k experts; embeddings, attention and KV are the same in both.
+    for key, touched in (("decode_bytes_per_step", touched4), ("decode_bytes_per_step_batch1", 2)):
+        diff = out["moe"][key] - out["dense"][key]
+        assert diff == round(2 * (touched * expert_bytes + router_bytes - 2 * expert_bytes)), key
+    # Every request generates max_tokens after its prompt: total over output tok/s is (8 + 4) / 4.
+    for name in ("moe", "dense"):
+        assert out[name]["total_tok_per_s"] / out[name]["output_tok_per_s"] == pytest.approx(3.0, rel=1e-2)
     assert out["dense"]["expected_experts_per_layer"] == {"batch1": 0.0, "batch4": 0.0}
     assert out["ratio_active_params"] == pytest.approx(1.0, abs=0.05)
     assert out["ratio_output_tok_per_s"] == pytest.approx(

@@ -150,9 +150,14 @@ def test_overhead_runs_on_tiny(tiny_model_dir: Path, capsys: pytest.CaptureFixtu
     assert (out["batch_size"], out["num_constrained"], out["num_runs"], len(out["runs"])) == (4, 2, 1, 1)
     # The first token comes from a prefill step; the later ones from decode steps, full while no request ends.
     assert out["constrained_finished_early"] == 0  # default-set replies outlast 6 tokens
-    assert 1 <= out["full_steps_mixed"] == out["full_steps_unconstrained"] <= 5
+    # Against the settings, not the output: the 4 prompts prefill in one step (token 1), then 5 decode steps
+    # of all 4 (tokens 2..6) are the full steps the medians are taken over.
+    [one] = out["runs"]
+    assert one["mixed"]["steps"] == one["unconstrained"]["steps"] == 6
+    assert out["full_steps_mixed"] == out["full_steps_unconstrained"] == 5
     assert out["mixed_step_ms"] > 0 and out["unconstrained_step_ms"] > 0
-    assert out["grammar_ms_per_step"] > 0 and out["mask_apply_ms"] > 0
+    # Grammar time is the constrained requests': the unconstrained run spends none.
+    assert out["grammar_ms_per_step"] > 0 and one["unconstrained"]["grammar_ms"] == 0 and out["mask_apply_ms"] > 0
     assert out["overhead_frac"] == pytest.approx(
         (out["mixed_step_ms"] - out["unconstrained_step_ms"]) / out["unconstrained_step_ms"], abs=1e-3)
     assert "overhead_frac" in overhead_table(out)

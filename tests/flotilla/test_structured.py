@@ -8,11 +8,11 @@ a json_schema response_format and validates the reply (pydantic or jsonschema).
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 from pydantic import BaseModel, ValidationError
 
@@ -141,15 +141,18 @@ def test_stream_joins_tool_call_fragments_by_index(fake: FakeServer) -> None:
     assert stream.usage is not None and stream.usage.completion_tokens == 9
 
 
-def test_stream_tool_call_join_matches_the_openai_client() -> None:
-    deltas_mod = pytest.importorskip("openai.lib.streaming._deltas")  # the oracle: openai's own join
-    acc: dict[object, object] = {}
-    for event in TOOL_STREAM:
-        for choice in event["choices"]:
-            acc = deltas_mod.accumulate_delta(acc, json.loads(json.dumps(choice["delta"])))
-    oracle = [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
-              for c in acc["tool_calls"]]  # type: ignore[attr-defined]
-    assert oracle == JOINED
+def test_stream_tool_call_join_matches_the_openai_client(fake: FakeServer) -> None:
+    """The oracle: the official client's own join of the same stream, through its public streaming helper."""
+    fake.script(CHAT, sse(TOOL_STREAM))
+    client = openai.OpenAI(base_url=f"{fake.url}/v1", api_key="unused", max_retries=0)
+    try:
+        with client.chat.completions.stream(model="fake", messages=[{"role": "user", "content": "weather?"}],
+                                            tools=[WEATHER_TOOL]) as stream:
+            final = stream.get_final_completion()
+    finally:
+        client.close()
+    calls = final.choices[0].message.tool_calls or []
+    assert [ToolCall(c.id, c.function.name, c.function.arguments) for c in calls] == JOINED
 
 
 def test_parse_with_a_pydantic_model(fake: FakeServer) -> None:

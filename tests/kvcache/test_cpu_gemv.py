@@ -1,6 +1,6 @@
 """The native float32 GEMV (``csrc/gemv.cpp``): one or two rows against a float64 reference.
 
-Skips, saying why, only where the extension cannot be built on this machine.
+Skips, saying why, only where no C++ compiler exists; a failed build with one fails (``tests.kvcache.native``).
 """
 
 from __future__ import annotations

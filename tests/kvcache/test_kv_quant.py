@@ -19,6 +19,7 @@ from kvcache.attention.backend import StepLayout
 from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool, bytes_per_page
 from kvcache.kv_quant import QMAX, dequantize_kv, quantize_kv
+from tests.kvcache.native import fail_if_compiler, require_extension
 
 KV_DTYPES = ("int8", "fp8_e4m3")
 ATTENTION_TOLERANCE = {"int8": 0.02, "fp8_e4m3": 0.1}
@@ -53,17 +54,10 @@ def test_round_trip_within_the_bound(kv_dtype: str, seed: int, magnitude: float,
     assert float(q.float().abs().max()) <= QMAX[kv_dtype]
 
 
-def _ext() -> object:
-    ext = cpu_kernels.load_extension()
-    if ext is None:
-        pytest.skip("CPU kernels cannot be built here")
-    return ext
-
-
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_write_stores_the_reference_bytes(kv_dtype: str, dtype: torch.dtype) -> None:
-    ext = _ext()
+    ext = require_extension()
     pool = KVPool(num_layers=1, num_pages=6, page_size=8, num_kv_heads=2, head_dim=32, dtype=dtype, kv_dtype=kv_dtype)
     qkv = torch.randn(20, 6, 32).to(dtype)  # k and v as strided views, as the model hands them
     k, v = qkv[:, 2:4], qkv[:, 4:]
@@ -94,6 +88,8 @@ def _run_steps(kv_dtype: str, *, kernels: bool, monkeypatch: pytest.MonkeyPatch,
                   dtype=torch.float32, kv_dtype=kv_dtype)
     attn = TorchPagedAttention(pool, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
     assert attn.uses_cpu_kernel == (kernels and cpu_kernels.load_extension() is not None)
+    if kernels and not attn.uses_cpu_kernel:
+        fail_if_compiler("the native kernel")  # else the "native" run below is the torch path again
     tables = [[3, 9, 1, 20, 7, 30], [12, 2, 25, 5, 33, 8]]
     lens = [37, 20]
     outs = []

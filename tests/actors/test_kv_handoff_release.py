@@ -185,11 +185,11 @@ def test_a_payload_that_does_not_fit_the_pool_is_refused_by_field_before_any_pag
     assert_all_free(stats)
 
 
-def test_kv_from_a_pool_with_other_weight_quantization_is_refused_by_name_before_any_page(
-        config: EngineConfig) -> None:
-    """Its pages have the decode pool's layout, but other weights computed them: caching them would be wrong."""
+def _refused_handoff(prefill_config: EngineConfig, decode_config: EngineConfig) -> tuple[InvalidParameterError,
+                                                                                          EngineStats]:
+    """A prompt prefilled by one engine and handed to another that must refuse it: the refusal, the decoder's stats."""
     async def scenario() -> tuple[InvalidParameterError, EngineStats]:
-        prefill, decode = SchedulerService(replace(config, quantization="int8")), SchedulerService(config)
+        prefill, decode = SchedulerService(prefill_config), SchedulerService(decode_config)
         try:
             result = await prefill.prefill("q", PROMPT, GREEDY)
             with pytest.raises(InvalidParameterError) as info:
@@ -199,7 +199,13 @@ def test_kv_from_a_pool_with_other_weight_quantization_is_refused_by_name_before
             await prefill.shutdown()
             await decode.shutdown()
 
-    err, stats = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_kv_from_a_pool_with_other_weight_quantization_is_refused_by_name_before_any_page(
+        config: EngineConfig) -> None:
+    """Its pages have the decode pool's layout, but other weights computed them: caching them would be wrong."""
+    err, stats = _refused_handoff(replace(config, quantization="int8"), config)
     assert err.param == "quantization" and "'int8'" in err.message and "None" in err.message, err
     assert stats.num_steps == 0  # nothing was admitted
     assert_all_free(stats)
@@ -210,19 +216,7 @@ DRAFT_MODEL = {"method": "draft", "num_speculative_tokens": 2}
 
 def test_a_separate_draft_model_is_refused_where_requests_arrive_prefilled(config: EngineConfig) -> None:
     draft = SpeculativeConfig(model=config.model, **DRAFT_MODEL)  # type: ignore[arg-type]
-
-    async def scenario() -> tuple[InvalidParameterError, EngineStats]:
-        prefill, decode = SchedulerService(config), SchedulerService(replace(config, speculative_config=draft))
-        try:
-            result = await prefill.prefill("m", PROMPT, GREEDY)
-            with pytest.raises(InvalidParameterError) as info:
-                await decode.submit_prefilled(result, PROMPT, GREEDY, 0.0, consumer_id="pd")
-            return info.value, await decode.stats()
-        finally:
-            await prefill.shutdown()
-            await decode.shutdown()
-
-    err, stats = asyncio.run(scenario())
+    err, stats = _refused_handoff(config, replace(config, speculative_config=draft))
     assert err.param == "speculative_config.model" and repr(config.model) in err.message
     assert stats.num_steps == 0
     assert_all_free(stats)

@@ -351,8 +351,11 @@ def test_a_shard_read_that_raises_or_is_slow_fails_its_adapters_not_the_group(mo
         assert ref.answer is not None
         return ref.answer
 
+    killed: list[object] = []
     monkeypatch.setattr(ray, "wait", wait)
     monkeypatch.setattr(ray, "get", get)
+    # The real ray.kill would start a local Ray (its API auto-initialises) and leave it to the next module.
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
     raised = ray.exceptions.RayTaskError("prepare_loras", "Traceback ...", MemoryError("no memory"))
     died = ray.exceptions.ActorDiedError()
 
@@ -370,7 +373,10 @@ def test_a_shard_read_that_raises_or_is_slow_fails_its_adapters_not_the_group(mo
         ex = executor(*slow)
         failed = ex.prepare_loras(names)
         assert set(failed) == {"a", "b"} and ex.shards, (slow, failed)
+    assert killed == []  # no failed read tore the group down
     ex = executor({}, died)
+    shards = list(ex.shards)
     with pytest.raises(ExecutorFailure, match="rank 1"):
         ex.prepare_loras(names)
-    assert not ex.shards
+    assert not ex.shards and killed == shards
+    assert not ray.is_initialized()

@@ -10,6 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cli.cli_server import cli_server
+from tests.kernel_cache import link_built_kernels
 from tests.serve_harness import http, poll_until
 
 # A pool of 32 pages of 16 tokens: four 200-token prompts cannot all stay cached, so the first is evicted.
@@ -34,7 +35,9 @@ def _complete(url: str, prompt: list[int]) -> tuple[str, int]:
 
 
 def test_an_evicted_prompt_comes_back_from_the_host_tier(tmp_path: Path) -> None:
-    with cli_server(ARGS, tmp_path / "serve.log", env={"FLOTILLA_CACHE_DIR": str(tmp_path / "cache")}) as (url, _):
+    cache = tmp_path / "cache"  # the server's own: its KV tier folders are nobody else's
+    link_built_kernels(cache)  # but the CPU kernels this machine has built (else most of a minute to build them)
+    with cli_server(ARGS, tmp_path / "serve.log", env={"FLOTILLA_CACHE_DIR": str(cache)}) as (url, _):
         first, cached = _complete(url, PROMPTS[0])
         assert cached == 0
         for prompt in PROMPTS[1:]:  # push the first prompt's pages out of the pool

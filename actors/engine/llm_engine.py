@@ -298,8 +298,8 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.deliver()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return batch
+        if batch is None or not (self.loras.enabled or len(self.grammar_states)):
+            return batch  # the common step: no per-request walk
         reqs = self.scheduler.requests_in_step(batch.step)
         if self.loras.enabled:
             self.loras.planned(batch, reqs)

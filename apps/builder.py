@@ -22,7 +22,7 @@
   ``max_queued_requests`` (per replica beyond ``max_num_seqs``; more get 429),
   ``scheduler_placement`` (``actor``, the default: each replica's scheduler is
   its own actor; ``replica``: it runs in the replica's process, see
-  ``apps.local_scheduler``; then resources go in ``replica_options``);
+  ``actors.scheduler.local``; then resources go in ``replica_options``);
 - ``autoscaling``: a dict, see ``cluster.autoscaling.serve_autoscaling_config``
   (``policy: flotilla|default``, min/max replicas, SLOs, queue target, delays);
 - ``request_router``: ``prefix`` | ``default`` or a dict of the prefix router's
@@ -34,9 +34,9 @@
 - ``max_stored_responses``: finished ``/v1/responses`` kept per replica for
   ``previous_response_id`` (default 1024; docs/responses.md);
   ``max_stored_response_bytes``: the memory they may hold per replica
-  (default 256 MiB; ``apps.responses_store``);
+  (default 256 MiB; ``apps.responses.store``);
 - ``lora_modules``: LoRA adapters served by name, ``{name: folder}`` (PEFT
-  format; implies ``enable_lora``; ``apps.lora_serving``, docs/lora.md);
+  format; implies ``enable_lora``; ``apps.replica.lora``, docs/lora.md);
   ``runtime_lora_updates``: open ``POST /v1/load_lora_adapter`` and
   ``/v1/unload_lora_adapter`` (default off: both 404; implies ``enable_lora``).
 
@@ -51,10 +51,10 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from actors.config import EngineConfig
-from apps.disaggregation import prefill_app, split_pd, with_pool
-from apps.request_params import served_name
-from apps.scheduler_placement import DEFAULT_PLACEMENT, check_placement
-from apps.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
+from actors.scheduler.placement import DEFAULT_PLACEMENT, check_placement
+from apps.inputs.params import served_name
+from apps.replica.disaggregation import prefill_app, split_pd, with_pool
+from apps.replica.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
 from cluster.autoscaling import serve_autoscaling_config
 from cluster.request_router import router_config
 from scheduling.errors import InvalidParameterError
@@ -122,7 +122,7 @@ def deployment_options(options: dict[str, Any], lora_base_model: str | None = No
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """The OpenAI-compatible application for ``args`` (see the module docstring; ``pd``: ``apps.disaggregation``)."""
+    """The OpenAI-compatible application for ``args`` (see the module docstring; ``pd``: ``apps.replica.disaggregation``)."""
     args = dict(args)
     pd = split_pd(args) if "pd" in args else None
     engine, options = split_args(args)

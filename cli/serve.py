@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from actors.quant_methods import INT4_GROUP_SIZES, QUANTIZATION_METHODS
-from apps.scheduler_placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
+from actors.scheduler.placement import DEFAULT_PLACEMENT, SCHEDULER_PLACEMENTS
 from cli.ingress import INGRESS_CHOICES, ingress_environment
 from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.kv_dtypes import KV_CACHE_DTYPES
@@ -174,7 +174,7 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
     return modules
 
 
-# The keys of --pd: apps.disaggregation's POOLS and REMOTE_OPTIONS, spelled out because that module imports
+# The keys of --pd: apps.replica.disaggregation's POOLS and REMOTE_OPTIONS, spelled out because that module imports
 # Ray Serve and the parser stays light (tests/cli/test_serve.py checks that the two agree).
 PD_KEYS = ("prefill", "decode", "remote_prefill_min_tokens", "remote_prefill_timeout_s")
 

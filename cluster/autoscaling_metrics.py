@@ -20,7 +20,7 @@ METRIC_KV_USAGE = "flotilla_kv_usage"
 METRIC_TTFT_P95_MS = "flotilla_ttft_ms_p95"
 METRIC_TPOT_P95_MS = "flotilla_tpot_ms_p95"
 METRIC_NUM_WAITING_PROMPT_TOKENS = "flotilla_num_waiting_prompt_tokens"
-# The recent-latency window a replica reports P95s over (``apps.replica_stats`` explains why it is bounded by age).
+# The recent-latency window a replica reports P95s over (``apps.replica.stats`` explains why it is bounded by age).
 LATENCY_WINDOW_S = 10.0
 
 
@@ -51,7 +51,7 @@ def autoscaling_stats(stats: EngineStats, *, ttft_ms_p95: float, tpot_ms_p95: fl
 
     Queue (requests and their prompt tokens still to compute) and KV figures
     come from the engine's ``stats``; the latency P95s
-    are the replica's recent window (``apps.replica_stats``), passed apart
+    are the replica's recent window (``apps.replica.stats``), passed apart
     so the engine's own, longer window is never mistaken for them.
     KV use counts only pages owned or pinned by running requests: prefix-cache
     pages that can be evicted at once are free capacity, not load.

@@ -125,7 +125,7 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
     _g("moe_expert_load_imbalance", "Busiest expert's routed tokens over its layer's mean per expert, the largest of "
        "any MoE layer, over the latest window of enough routed tokens (1: even; num_experts / top_k: every token "
        "on the same experts)."),
-    # Prefill/decode disaggregation, on decode replicas (apps.disaggregation): prompts prefilled on the
+    # Prefill/decode disaggregation, on decode replicas (apps.replica.disaggregation): prompts prefilled on the
     # prefill pool, retries of failed prefills, KV bytes received and the time moving them took.
     _c("pd_remote_prefills", "Prompts this decode replica had computed on the prefill pool."),
     _c("pd_prefill_retries", "Remote prefills retried after a prefill replica failed."),

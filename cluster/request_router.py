@@ -20,7 +20,7 @@ which the SDK sends, or ``model`` in a handle caller's body) goes to the
 least loaded replica that reports that adapter loaded (``ROUTING_LORAS`` in
 its routing stats), unless that one's queue exceeds the least loaded
 replica's by the imbalance threshold; with no such replica, to the least
-loaded one, which then loads it (``apps.lora_serving``). A replica
+loaded one, which then loads it (``apps.replica.lora``). A replica
 reports its adapters every stats period, so the router also counts a replica
 it sent the adapter to as holding it (for the prefix TTL): requests that
 arrive before the report follow the first one instead of loading it

@@ -1,7 +1,7 @@
 """Response ids that name their replica, so a request about a stored response can be routed back to it.
 
 ``/v1/responses`` keeps finished responses in the replica that made them
-(``apps.responses_service``). Each id is ``resp_<tag>-<hex>``, the tag being
+(``apps.responses.service``). Each id is ``resp_<tag>-<hex>``, the tag being
 the Serve replica's ``unique_id``: the router (``cluster.request_router``)
 sends ``GET``/``DELETE /v1/responses/<id>`` and any request carrying
 ``X-Flotilla-Previous-Response: <id>`` (the SDK sends it with

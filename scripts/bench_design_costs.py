@@ -12,7 +12,7 @@ Prints one JSON object, an entry per choice, times in microseconds:
 - ``token_masks``: the byte-table mask (``actors/grammar/masks.py``) vs
   xgrammar's CPU ``apply_token_bitmask_inplace``, per row.
 - ``prompt_encode``: the tiny model's tokenizer, per character and fixed,
-  against a hop to a worker thread and back (``apps/prompt_encoder.py``).
+  against a hop to a worker thread and back (``apps/inputs/prompt_encoder.py``).
 - ``onednn_linear``: a 1024x6144 float32 product through the prepacked
   oneDNN weight vs ``F.linear``, at 4 and 150 rows
   (``actors/models/cpu_linear.py``).

@@ -13,7 +13,7 @@ left for, or that fails, is recorded as null with its reason; the report
 measurement, so a run killed from outside keeps what it had.
 
 1. ``correctness``: FlashInfer against the torch backend on randomized steps
-   of tests/kvcache/test_flashinfer_backend.py (``Pair.run_workload``: mixed
+   of tests/kvcache/attention/test_flashinfer_backend.py (``Pair.run_workload``: mixed
    prefill/decode, chunked, prefix hits) at both models' head shapes in bf16 (the first
    FlashInfer use: its JIT compiles here); the embedded ``tiny`` model's
    greedy tokens against HF transformers' in fp32 (torch backend: FlashInfer
@@ -83,7 +83,7 @@ from kvcache.attention.flashinfer import (
 )
 from scheduling.sampling_params import SamplingParams
 from tests.kvcache import flashinfer_emulator
-from tests.kvcache.test_flashinfer_backend import Pair
+from tests.kvcache.attention.test_flashinfer_backend import Pair
 
 # Issue 40's reference machine (cli.plan.hardware.GPUS holds its bandwidth and bf16 rate).
 # MBU and the roofline are against these.

@@ -139,7 +139,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "available", torch.cuda.is_available())
 import apps.llm  # noqa: F401,E402  the engine and every package it imports
 import tests.kvcache.flashinfer_emulator  # noqa: F401,E402
-import tests.kvcache.test_flashinfer_backend  # noqa: F401,E402  the gpu test's own imports
+import tests.kvcache.attention.test_flashinfer_backend  # noqa: F401,E402  the gpu test's own imports
 for dist in ("transformers", "flashinfer-python", "xgrammar", "pydantic", "gguf"):
     try:
         print(dist, md.version(dist))

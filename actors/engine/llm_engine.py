@@ -321,7 +321,7 @@ class LLMEngine:
         """Run a planned step on the executor; touches no request state.
 
         The step's adapter loads are read first, here: a caller runs this off
-        its event loop (``actors.remote.step_loop``), and reading an adapter
+        its event loop (``actors.scheduler.step_loop``), and reading an adapter
         evicted from the shards' host cache may take long. One that cannot be
         read is not loaded; its requests end when the step is settled.
         """

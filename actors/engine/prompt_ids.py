@@ -1,7 +1,7 @@
 """A prompt's token ids: plain text, or a conversation through the tokenizer's chat template.
 
 The one place both are computed: the engine (``LLMEngine.tokenize``), the
-offline API (``LLM.chat``) and the replica (``apps.prompt_encoder``) call
+offline API (``LLM.chat``) and the replica (``apps.inputs.prompt_encoder``) call
 these, so a prompt is the same token ids whichever way it arrives.
 """
 

@@ -2,7 +2,7 @@
 
 Why not xgrammar's own CPU kernel: one table lookup per mask byte (a 256 x 8
 table of 0 / -inf) and an add take less time a row (docs/design_costs.md),
-with bit-identical results (tests/actors/test_grammar.py).
+with bit-identical results (tests/actors/grammar/test_grammar.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ eagerly over exactly those buffers: the path a graph replays is then tested
 on the CPU, token for token against the dynamic path, and a CUDA device only
 adds the capture. Invariant: the captured forward reads nothing but the
 static buffers and the pool (no host values), which the step's sync count
-(``tests/actors/test_step_syncs.py``) and the device check's sync-debug mode
+(``tests/actors/runner/test_step_syncs.py``) and the device check's sync-debug mode
 hold it to.
 """
 

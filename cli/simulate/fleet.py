@@ -7,7 +7,7 @@ Events, in time order (ties: in the order queued):
 
 - an **arrival** goes to its pool (colocated; or prefill, unless its prompt
   is shorter than ``remote_prefill_min_tokens``, which the decode pool
-  prefills itself, as ``apps.disaggregation`` does) through the real
+  prefills itself, as ``apps.replica.disaggregation`` does) through the real
   router's choice, to a ready replica that is not draining; with none ready
   it waits at the proxy, as Serve's handle queues it;
 - a replica's **step end** applies the step (``SimReplica``), starts the

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.errors import INTERNAL_ERROR_MESSAGE
+from apps.protocol.errors import INTERNAL_ERROR_MESSAGE
 from flotilla import AsyncClient
 from flotilla.errors import APIStatusError, FlotillaError
 

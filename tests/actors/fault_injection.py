@@ -2,7 +2,7 @@
 that fails or holds the steps the board names. No sleeps: the test and the executor
 meet on named asyncio events inside a Ray actor.
 
-For live servers (tests/apps/test_faults.py): ``side_app`` deploys a second Serve
+For live servers (tests/apps/replica/test_faults.py): ``side_app`` deploys a second Serve
 application on the running cluster, ``install_faults`` wraps a running scheduler's
 executor in place (through ``__ray_call__``), ``replica_actors``/``shard_handles`` find
 what to kill and ``wait_dead`` waits until a kill has landed."""

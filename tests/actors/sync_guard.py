@@ -5,7 +5,7 @@ every torch function and tensor method called from Python and records those
 that, on CUDA, block the host until the device has run all work queued so
 far. On the CPU nothing waits, so this is how a CPU test proves a CUDA step
 has no such wait; on CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the
-device's own check of the same thing (``tests/actors/test_step_syncs.py``).
+device's own check of the same thing (``tests/actors/runner/test_step_syncs.py``).
 
 Counted (``SYNC_METHODS``, ``SYNC_FUNCTIONS`` and the rules in
 ``_sync_name``):

@@ -24,7 +24,7 @@ def test_flashinfer_is_refused_where_it_cannot_run_naming_the_parameter(device: 
     # kernels); anywhere else asking for it must fail when the config is
     # built, not quietly run the torch path.
     if device != "cpu" and _flashinfer_runs_here():
-        pytest.skip("FlashInfer can run here: tests/kvcache/test_flashinfer_backend.py covers it")
+        pytest.skip("FlashInfer can run here: tests/kvcache/attention/test_flashinfer_backend.py covers it")
     with pytest.raises(InvalidParameterError) as err:
         EngineConfig(attention_backend="flashinfer", device=device)
     assert err.value.param == "attention_backend"

@@ -20,8 +20,7 @@ from cli.main import main
 from kvcache.kv_blocks import KEY_BYTES
 from kvcache.kv_tiers import StoreState
 from tests.actors.checkpoints import write_llama_with_tokenizer
-from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
-from tests.actors.test_kv_offload import (
+from tests.actors.engine.test_kv_offload import (
     ENGINE,
     GREEDY,
     PROMPTS,
@@ -31,6 +30,7 @@ from tests.actors.test_kv_offload import (
     _generate,
     _tier,
 )
+from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
 
 CLUSTER = {"cluster": True, "load_wait_s": 30.0}  # a busy CI box: a load never times out into a recompute here
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from apps.builder import build_app
-from apps.disaggregation import POOLS, REMOTE_OPTIONS
+from apps.replica.disaggregation import POOLS, REMOTE_OPTIONS
 from cli.main import build_parser
 from cli.serve import PD_KEYS, app_args
 from scheduling.errors import InvalidParameterError

@@ -12,7 +12,7 @@ from ray.serve import config as serve_config
 from actors.engine.outputs import SequenceDelta, SequenceTiming
 from actors.engine.stats import EngineStats, LatencyWindow
 from apps.builder import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, deployment_options, split_args
-from apps.replica_stats import ReplicaStats
+from apps.replica.stats import ReplicaStats
 from cluster.autoscaling import (
     POLICY_PATH,
     AutoscalingConfig,

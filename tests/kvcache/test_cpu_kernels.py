@@ -25,7 +25,7 @@ from kvcache import cpu_kernels
 from kvcache.attention.backend import StepLayout
 from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_pool import KVPool
-from tests.kvcache.test_torch_attention import Sim, dense_attention
+from tests.kvcache.attention.test_torch_attention import Sim, dense_attention
 
 HEADS = [(4, 4), (8, 4), (6, 2), (8, 1), (16, 2)]  # MHA, GQA, GQA 3, MQA, GQA 8
 

@@ -5,7 +5,7 @@ fp16 scale(s) and packs its quants little-end first. Each function takes the
 raw ``uint8`` rows of one tensor, shape ``(rows, bytes_per_row)``, and returns
 ``(rows, elements_per_row)`` float32. They are checked against the ``gguf``
 package's numpy reference (``gguf.quants.dequantize``) and against
-transformers' own GGUF load in ``tests/actors/test_gguf.py``.
+transformers' own GGUF load in ``tests/actors/load/test_gguf.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the whole sequence stores what token-by-token decoding stores, and chunked
 prefill or decode-step forcing would read the same bytes (decode steps go
 through the native ``paged_decode`` kernel, which applies the scales inside
 its dot products: the same values, summed in another order).
-``tests/cli/test_bench_accuracy_tokens.py`` checks that an int8 KV candidate's
+``tests/cli/bench/test_bench_accuracy_tokens.py`` checks that an int8 KV candidate's
 teacher-forced figures move off the base's (a prefill that attended over its
 in-step float K/V would leave them equal).
 

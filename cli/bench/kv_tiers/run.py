@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from actors.config import EngineConfig
 from actors.engine.stats import EngineStats, percentile
 from actors.load.loader import load_tokenizer, resolve_model_path
-from actors.remote.scheduler_actor import SchedulerActor
+from actors.scheduler.actor import SchedulerActor
 from cli.bench.harness import ray_running
 from cli.bench.kv_tiers.conversations import (
     ChatTokenizer,

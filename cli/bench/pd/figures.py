@@ -1,6 +1,6 @@
 """A decode replica's P/D figures from its ``/metrics``, and their change over a run.
 
-The decode replica (``apps.disaggregation``) counts remote prefills, retries
+The decode replica (``apps.replica.disaggregation``) counts remote prefills, retries
 and KV bytes received, and observes each prompt's KV-transfer time into the
 ``flotilla:pd_kv_transfer_seconds`` histogram (``TRANSFER_BUCKETS``). The
 benchmark scrapes before and after a run and takes the difference, so only

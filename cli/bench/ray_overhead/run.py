@@ -27,7 +27,7 @@ import ray
 import torch
 
 from actors.config import EngineConfig
-from actors.remote.scheduler_actor import SchedulerActor
+from actors.scheduler.actor import SchedulerActor
 from apps.llm import LLM
 from cli.bench.harness import WARMUP_REQUESTS, ray_running
 from cli.bench.workload import read_workload

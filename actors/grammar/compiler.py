@@ -144,7 +144,7 @@ class GrammarCompiler:
         return compiler.compile_grammar
 
     def _xgr(self) -> xgr.GrammarCompiler:
-        """The xgrammar compiler, built on first use (reading the vocabulary takes ~0.1 s)."""
+        """The xgrammar compiler, built on first use (it reads the whole vocabulary: only grammars pay for it)."""
         if self._compiler is None:
             stop = [] if self.eos_token_id is None else [self.eos_token_id]
             info = xgr.TokenizerInfo.from_huggingface(

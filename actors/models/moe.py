@@ -127,15 +127,13 @@ def grouped_linear(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torc
     ``torch._grouped_mm`` is one call for all groups: on CUDA bf16 (sm90/sm100)
     a CUTLASS kernel that reads ``offs`` on the device (no host sync, graph
     capturable); elsewhere (CPU, other dtypes and GPUs) torch's C++ loop of
-    one ``mm`` per group, which copies ``offs`` to the host. On a 2-core CPU
-    (E=8, top-2, H=512, I=1024; the whole layer, best of 5) it matched or
-    beat a Python loop over experts (index_select / mm / index_add, one host
-    sync): fp32 6.0 vs 6.1 ms at 32 tokens, 22.4 vs 23.7 ms at 512; bf16 2.4
-    vs 2.9 and 11.4 vs 12.2 ms. So one code path serves every device. ``b``
+    one ``mm`` per group, which copies ``offs`` to the host. On the CPU a
+    Python loop over experts times the same within noise (docs/design_costs.md,
+    entry ``moe_grouped``), so one code path serves every device. ``b``
     is the checkpoint's (out, in) layout transposed as a view, the "NT"
     product ``F.linear`` runs and the column-major layout the CUDA kernel
-    takes; storing the weights transposed timed no faster on CPU (within
-    noise), so they stay as loaded, with no per-step copy. Shapes
+    takes; storing the weights transposed is no faster on the CPU (same
+    entry), so they stay as loaded, with no per-step copy. Shapes
     ``_grouped_mm`` refuses (unaligned toy sizes) take that Python loop here.
     """
     if _grouped_mm_fits(a, b):

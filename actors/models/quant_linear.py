@@ -18,14 +18,14 @@ Two kernels, chosen once per layer when it is built:
   activations are widened, and the output cast back). int4 is stored as
   nibbles with a float16 ``(d, m)`` per group, ``w = c * d + m`` with ``c =
   q`` (GGUF Q4_1's form; ``d = scale``, ``m = zero - 8 * scale``, rounded to
-  float16: exact for GGUF blocks, whose d and m are float16). On the 2-core
-  development VM it runs SmolLM2-135M's batch-1 decode faster than torch's
-  kernels (docs/quantization.md), and the outputs carry no activation rounding.
+  float16: exact for GGUF blocks, whose d and m are float16). It runs
+  SmolLM2-135M's batch-1 decode faster than torch's kernels
+  (docs/quantization.md), and the outputs carry no activation rounding.
 - **torch's** packed kernels otherwise (``_weight_int8pack_mm``,
   ``_weight_int4pack_mm_for_cpu``), which are fast only with bfloat16
-  activations and scales (183 us in float32 against 23 us in bfloat16 for a
-  1x576 @ 960x576 int8 product here): the input is rounded to bfloat16, the
-  product runs with bfloat16 scales and zeros and the output is cast back.
+  activations and scales (docs/design_costs.md, entry ``int8pack_dtype``):
+  the input is rounded to bfloat16, the product runs with bfloat16 scales
+  and zeros and the output is cast back.
 """
 
 from __future__ import annotations

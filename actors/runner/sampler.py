@@ -35,8 +35,9 @@ _P_OFF = 1.0 - 2.0**-25
 def _all_plain_greedy(params: list[SamplingParams]) -> bool:
     """True when every row is greedy without penalties or logprobs: the fast path.
 
-    Runs every step over every row, so it is a bare loop over slot reads:
-    ~30 ns a row, 3x cheaper than a generator over ``needs_penalties``.
+    Runs every step over every row, so it is a bare loop over slot reads,
+    cheaper than a generator over ``needs_penalties`` (docs/design_costs.md,
+    entry ``greedy_check``).
     """
     for p in params:
         if (

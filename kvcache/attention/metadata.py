@@ -101,13 +101,15 @@ def build_slot_mapping(
 
 
 # Cost model for splitting sequences into padded attention groups, in
-# "query-key pair" units (~4.6 ns each for SDPA on CPU). A sequence alone
-# costs its causal pairs, q*c - q*q/2 (a fresh prompt runs on SDPA's causal
-# path, which skips masked blocks), plus KEY_ROW_COST per gathered key row
-# (~72 ns for k and v); inside a padded masked group every member pays the
-# full max_q x max_c rectangle. One more group (gathers, SDPA, scatter) costs
-# about MIN_WASTE pairs of dispatch overhead (~30 us). Measured on a 2-core
-# Xeon VM, 8 heads / 4 kv heads / head_dim 32, fp32, page 16.
+# "query-key pair" units (one query token against one key, all heads, in
+# SDPA). A sequence alone costs its causal pairs, q*c - q*q/2 (a fresh
+# prompt runs on SDPA's causal path, which skips masked blocks), plus
+# KEY_ROW_COST per gathered key row (k and v); inside a padded masked group
+# every member pays the full max_q x max_c rectangle. One more group
+# (gathers, SDPA, scatter) is charged MIN_WASTE pairs of fixed overhead.
+# The constants were set from CPU timings expressed in pairs;
+# docs/design_costs.md (entry ``attention_groups``) gives the units measured
+# now beside them.
 KEY_ROW_COST = 16
 MIN_WASTE = 8192
 MAX_PADDING_RATIO = 2.0

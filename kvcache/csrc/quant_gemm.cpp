@@ -37,9 +37,9 @@ namespace {
 constexpr int64_t TILE_M = 64;
 // Software prefetch distance, in weight bytes ahead of the current block. A
 // decode step reads every weight once from memory; the hardware prefetcher
-// alone left the int4 product at half of torch's speed on the 2-core VM, and
-// 2-4 KiB ahead (across row ends: a thread's rows are contiguous) made it
-// faster than torch's (512 B: no gain).
+// alone left the int4 product slower than torch's, and prefetching a few KiB
+// ahead (across row ends: a thread's rows are contiguous) made it faster
+// (docs/quantization.md); a short distance did not help.
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 float half_to_float(uint16_t h) {

@@ -63,7 +63,7 @@ def _format_of(config: QuantizationConfig, scheme: QuantizationScheme) -> str | 
 def read_scheme(quantization_config: Mapping[str, Any]) -> CompressedTensorsScheme:
     """Parse ``config.json``'s ``quantization_config``; ``InvalidParameterError`` (``model``) for
     anything but weight-only 4-bit integer groups in the ``pack-quantized`` format."""
-    # Imported here, not at the top: the package pulls in torch._dynamo (about 0.9 s),
+    # Imported here, not at the top: the package pulls in torch._dynamo (a slow import),
     # which every process that imports the loader would pay for checkpoints that are not
     # compressed-tensors ones.
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme

@@ -60,14 +60,14 @@ from scheduling.errors import InvalidParameterError
 
 APP = "flotilla-profile"
 # Output tokens of each request timing the host share: long enough that every replica's requests decode
-# together for most of their time (with 8, those sent at once to 4 replicas hardly overlapped: 5.4 ms per
-# step against 15 ms with 400).
+# together for most of their time (with only a few tokens each, requests sent at once to several replicas
+# hardly overlap, and the host share comes out too small).
 HOST_STEPS = 128
-# Decode steps timed per shape: a stream's first few tokens come out faster than its steady rate (over 8
-# steps a 2-sequence decode of tiny measured 2.3 ms, over 64 the 4.0 to 4.7 ms a long stream sees).
+# Decode steps timed per shape: a stream's first few tokens come out faster than its steady rate, so a
+# short count under-states the step a long stream sees (docs/fleet.md; ``--steps`` overrides it).
 SERVED_STEPS = 64
-# Requests per replica kept waiting behind the busy slots to time what a queue costs the host (a backlog
-# of 200 across 4 replicas slowed their steps by a third here).
+# Requests per replica kept waiting behind the busy slots to time what a queue costs the host: enough
+# that the queue's cost shows above the host's noise.
 HOST_WAITING_PER_REPLICA = 64
 
 

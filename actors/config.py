@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, cast
 
 import torch
@@ -12,7 +12,7 @@ from kvcache.attention.flashinfer import FlashInferKernels, check_flashinfer_set
 from kvcache.attention.names import ATTENTION_BACKENDS
 from kvcache.errors import CacheConfigError
 from kvcache.kv_dtypes import canonical_kv_dtype
-from kvcache.kv_offload_config import KVOffloadConfig
+from kvcache.kv_tiers_config import KVTiersConfig
 from scheduling.errors import InvalidParameterError
 from scheduling.pooling import POOLING_MODES, Pooling, PoolingMode
 from scheduling.scheduler_config import SchedulerConfig
@@ -80,7 +80,7 @@ class EngineConfig:
     kept read on the host. LoRA runs eagerly (its segment shapes change
     every step: no CUDA graphs) and with n-gram speculation only (a draft
     model or self-draft would propose without the adapter).
-    ``kv_offload``: the KV tiers below the pool (``kvcache.kv_offload_config.KVOffloadConfig``:
+    ``kv_offload``: the KV tiers below the pool (``kvcache.kv_tiers_config.KVTiersConfig``:
     host memory, local disk, the cluster store; a dict or its JSON text),
     with prefix caching only; None: off.
     ``expert_parallel``: in a mixture-of-experts model, each of the
@@ -124,7 +124,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    kv_offload: KVOffloadConfig | None = None
+    kv_offload: KVTiersConfig | None = None
     expert_parallel: bool = False
     embedding_pooling: str = "last"
     embedding_normalize: bool = True
@@ -260,7 +260,7 @@ class EngineConfig:
 
     def _check_kv_offload(self) -> None:
         try:
-            offload = KVOffloadConfig.parse(self.kv_offload)
+            offload = KVTiersConfig.parse(self.kv_offload)
         except (CacheConfigError, TypeError) as e:
             raise InvalidParameterError("kv_offload", str(e).removeprefix("kv_offload: ")) from None
         object.__setattr__(self, "kv_offload", offload)
@@ -362,3 +362,12 @@ class EngineConfig:
         if self.kv_cache_memory_fraction is not None:
             return self.kv_cache_memory_fraction
         return 0.9 if self.resolved_device().type == "cuda" else 0.1
+
+
+def scoped_to_app(config: EngineConfig, app: str) -> EngineConfig:
+    """``config`` with its cluster KV tier in ``app``'s stores (a Serve replica's; ``flotilla kv drop`` drops
+    them); unchanged without a cluster tier or where ``cluster_app`` is set already."""
+    offload = config.kv_offload
+    if offload is None or not offload.cluster or offload.cluster_app is not None:
+        return config
+    return replace(config, kv_offload=replace(offload, cluster_app=app))

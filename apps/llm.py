@@ -19,13 +19,11 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from actors.api import CompletionOutput, LoRAInfo, RequestOutput, chat_ids
 from actors.config import EngineConfig
 from actors.engine.executor import Executor
 from actors.engine.llm_engine import LLMEngine
-from actors.engine.outputs import CompletionOutput, RequestOutput
-from actors.engine.prompt_ids import chat_ids
 from actors.errors import ExecutorFailure
-from actors.runner.lora_manager import LoRAInfo
 from scheduling.errors import InvalidParameterError
 from scheduling.pooling import Pooling
 from scheduling.sampling_params import SamplingParams

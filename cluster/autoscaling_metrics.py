@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine.stats import EngineStats, LatencyWindow
+from actors.api import EngineStats, LatencyWindow
 
 # Keys of the custom metrics a replica reports through ``record_autoscaling_stats``.
 METRIC_NUM_WAITING = "flotilla_num_waiting"

@@ -105,7 +105,7 @@ REPLICA_FAMILIES: tuple[Family, ...] = (
     _c("lora_resident_hits", "Adapter requests that found their adapter already loaded on this replica "
        "(over lora_resident_hits + lora_loads: the router's hit rate)."),
     _c("lora_loads", "Adapters this replica loaded on a request's arrival (the request waited for the load)."),
-    # KV tiers (actors/engine/kv_offload): per tier (host, disk, cluster) what this replica's engine asked,
+    # KV tiers (actors/engine/kv_tiers): per tier (host, disk, cluster) what this replica's engine asked,
     # found, moved, waited for, and the faults that became misses or dropped writes.
     _c("kv_tier_lookups", "KV blocks this replica asked a tier for.", (*REPLICA_LABELS, "tier")),
     _c("kv_tier_hits", "KV blocks found whole in a tier (loaded instead of computed).", (*REPLICA_LABELS, "tier")),

@@ -31,8 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from actors.engine.outputs import SequenceDelta
-from actors.engine.stats import EngineStats
+from actors.api import EngineStats, FinishReason, SequenceDelta
 from cluster.metric_families import (
     REPLICA_FAMILIES,
     REPLICA_LABELS,
@@ -88,7 +87,6 @@ def _ray_record(f: Family, value: float, tags: dict[str, str]) -> None:
 
 
 # ------------------------------------------------------------------- replica
-_FINISH_REASONS = ("stop", "length", "abort", "error")
 _GPU = ("gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_utilization_perc")
 _NO_ZERO_SAMPLE = (*_GPU, "moe_expert_load_imbalance")  # absent until known (no GPU, a dense model: never)
 # The expert-load imbalance window closes once every MoE layer routed this many tokens per expert on average:
@@ -105,9 +103,9 @@ class ReplicaMetrics:
     per-sequence state kept for inter-token latency (oldest dropped first,
     e.g. sequences whose final delta never arrived because the engine died).
     Ray's copy of the inter-token histogram takes at most ``ray_itl_per_step``
-    samples of each step (a Ray observation costs ~5 us; a step's gaps are
-    nearly equal), so there its quantiles hold but its count is not a token
-    count: use ``generation_tokens`` for that.
+    samples of each step (each Ray observation costs time on the step's
+    path; a step's gaps are nearly equal), so there its quantiles hold but
+    its count is not a token count: use ``generation_tokens`` for that.
     """
 
     def __init__(self, model_name: str, replica_id: str, *, export_to_ray: bool | None = None,
@@ -132,8 +130,8 @@ class ReplicaMetrics:
                                                registry=self.registry)
             if f.name not in _NO_ZERO_SAMPLE and f.labels == REPLICA_LABELS:  # more labels: children as values appear
                 self._prom[f.name].labels(**self._tags)  # a zero sample before any traffic
-        for reason in _FINISH_REASONS:
-            self._prom["request_success"].labels(**self._tags, finished_reason=reason)
+        for reason in FinishReason:
+            self._prom["request_success"].labels(**self._tags, finished_reason=reason.value)
         self._last_token_at: dict[tuple[str, int], float] = {}  # sequence -> when its last token came
         self._seen: dict[tuple[str, ...], float] = {}  # (family, extra label values) -> counter as last read
         self._moe_window_start: tuple[tuple[int, ...], ...] = ()  # expert counts where the imbalance window began
@@ -191,7 +189,7 @@ class ReplicaMetrics:
                 num_prompt += d.num_prompt_tokens
             if d.finish_reason is not None:
                 self._last_token_at.pop(key, None)
-                self._record("request_success", 1, finished_reason=d.finish_reason)
+                self._record("request_success", 1, finished_reason=d.finish_reason.value)
                 self._observe_timing(d)
         if num_generated:
             self._record("generation_tokens", num_generated)
@@ -208,7 +206,7 @@ class ReplicaMetrics:
             self._record("time_to_first_token_seconds", max(t.ttft_s, 0.0))
         if t.queue_time_s is not None:
             self._record("request_queue_time_seconds", max(t.queue_time_s, 0.0))
-        if d.finish_reason in ("stop", "length"):
+        if d.finish_reason is not None and d.finish_reason.completed:
             if t.e2e_s is not None:
                 self._record("e2e_request_latency_seconds", max(t.e2e_s, 0.0))
             if t.tpot_s is not None:

@@ -1,7 +1,7 @@
 """The KV tiers below an engine's pool: host memory, local disk, and a cluster store.
 
 Pages that join an engine's prefix cache are copied out (one step's
-``Batch.kv_saves``) and kept here as blocks (``kvcache.kv_blocks``): in host
+``Batch.kv_moves.saves``) and kept here as blocks (``kvcache.kv_blocks``): in host
 memory (LRU, at most ``host_bytes``), spilling to a local disk folder (LRU,
 at most ``disk_bytes``), and written through to the cluster store when
 ``cluster`` is on, so that every replica of the cluster can read them. A
@@ -53,7 +53,7 @@ from kvcache.kv_blocks import (
     page_block,
     payloads_of,
 )
-from kvcache.kv_offload_config import KVOffloadConfig
+from kvcache.kv_tiers_config import KVTiersConfig
 from kvcache.kv_transfer import KVLayout, RankPayloads
 
 logger = logging.getLogger("flotilla.kv_tiers")
@@ -378,7 +378,7 @@ def _try_lock(lock_file: Path, *, create: bool) -> BinaryIO | None:
 class TieredKV:
     """Host, disk and cluster tiers of one engine (each optional), read and written in that order."""
 
-    def __init__(self, config: KVOffloadConfig, layout: KVLayout, world_size: int, *,
+    def __init__(self, config: KVTiersConfig, layout: KVLayout, world_size: int, *,
                  disk_path: Path | None, store: BlockStore | None) -> None:  # fmt: skip
         self.layout = layout
         self.world_size = world_size

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvcache.errors import CacheConfigError
 from kvcache.kv_quant import SCALE_DTYPE
-
-if TYPE_CHECKING:  # kv_pool imports this module
-    from kvcache.kv_pool import KVPool
 
 # Integer dtypes of each element width: a bit-exact view of any storage dtype (numpy
 # has no bfloat16 or float8; CPU index_copy_ has no float8).
@@ -148,6 +145,26 @@ def _rebuild(
     )
 
 
+class PoolShape(Protocol):
+    """What a layout is read from: a pool (``kvcache.kv_pool.KVPool``), named by what it has, since
+    ``kv_pool`` imports this module."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def kv_dtype(self) -> str: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def cache_dtype(self) -> torch.dtype: ...
+
+
 # One transfer: every tensor-parallel rank's payload of the same pages, in rank order.
 RankPayloads = tuple[KVPayload, ...]
 
@@ -169,7 +186,7 @@ class KVLayout:
     storage_dtype: str  # what the pages are stored as (``kv_dtype``'s, or ``dtype`` for ``auto``)
 
     @classmethod
-    def of(cls, pool: KVPool) -> KVLayout:
+    def of(cls, pool: PoolShape) -> KVLayout:
         return cls(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.kv_dtype,
                    dtype_name(pool.dtype), dtype_name(pool.cache_dtype))
 
@@ -218,7 +235,7 @@ def check_layout(layout: KVLayout, payload: KVPayload) -> None:
         )
 
 
-def check_payload(pool: KVPool, pages: list[int], payload: KVPayload) -> None:
+def check_payload(pool: PoolShape, pages: list[int], payload: KVPayload) -> None:
     """Raise ``KVPayloadMismatchError`` naming the first way ``payload`` does not fit ``pool`` at ``pages``.
 
     Page ids themselves are range-checked by the pool.

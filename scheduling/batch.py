@@ -33,6 +33,72 @@ class TokenMasks:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchDrafts:
+    """Speculative decoding's part of a step (``scheduling.spec_decode``), per sampled sequence (aligned with
+    ``Batch.sample_indices``).
+
+    ``token_ids[j]`` are the last ``len(token_ids[j])`` new tokens of sampled
+    sequence j, drafts to verify: it samples at each of its last ``1 +
+    len(token_ids[j])`` tokens (None: nothing to verify this step).
+    ``num_propose[j]``: draft tokens the runner proposes for sequence j's next
+    step (the ``draft`` method); its pages already cover ``context_lens +
+    num_propose`` tokens (None: no proposals asked).
+    """
+
+    token_ids: list[list[int]] | None = None
+    num_propose: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchKVMoves:
+    """The KV pages that leave the pool or arrive in it with a step: prefill/decode handoff
+    (``scheduling.kv_handoff``) and the KV tiers (``scheduling.kv_tiers``).
+
+    ``exports``: per sampled sequence whose prompt KV leaves with this step,
+    (its index in ``sample_indices``, the pages holding its prompt); the runner
+    copies them out after the forward. ``imports``: per sequence whose KV
+    arrived from elsewhere (a prefill replica, or a tier), (the pages to fill,
+    one ``KVPayload`` per tensor-parallel rank); the runner writes them before
+    the forward. ``saves``: pages for the tiers, copied out before anything
+    else of the step (imports, forward) writes the pool, and ``save_keys``
+    (aligned) each one's block key (for the engine; the runner ignores them).
+    """
+
+    exports: list[tuple[int, list[int]]] | None = None
+    imports: list[tuple[list[int], RankPayloads]] | None = None
+    saves: list[int] | None = None
+    save_keys: list[bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLoRA:
+    """LoRA's part of a step (``scheduling.lora_slots``).
+
+    ``slots``: each sequence's adapter slot (-1: the base model), None when no
+    sequence of the step has an adapter; ``loads``: (slot, adapter name) to
+    write into the runner's slots before this step's forward.
+    """
+
+    slots: list[int] | None = None
+    loads: list[tuple[int, str]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPooling:
+    """Embedding requests' part of a step (``scheduling.pooling``); both None when no sequence is pooled.
+
+    ``indices`` lists, in increasing order, the sequences whose hidden rows of
+    this step the runner pools; ``means[j]`` (aligned): True, the sum of every
+    row the step computes for it (mean pooling, one chunk at a time); False,
+    its last row only (last pooling: the step's chunk ends its prompt). A
+    pooled sequence is never in ``sample_indices``.
+    """
+
+    indices: list[int] | None = None
+    means: list[bool] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One engine step.
 
@@ -49,20 +115,11 @@ class Batch:
       - ``sample_indices`` lists, in increasing order, the sequences whose last
         new token produces a sampled token this step (a chunk that does not end
         its prompt samples nothing); the sampling lists are aligned with it.
-      - Speculative decoding: ``draft_token_ids[j]`` (aligned with
-        ``sample_indices``) are the last ``len(draft_token_ids[j])`` new tokens
-        of sampled sequence j, drafts to verify: it samples at each of its last
-        ``1 + len(draft_token_ids[j])`` tokens. ``num_propose[j]``: draft tokens
-        the runner proposes for sequence j's next step (the ``draft`` method);
-        its pages already cover ``context_lens + num_propose`` tokens.
-        Both are None when nothing drafts this step.
-      - Embedding requests (``scheduling.pooling``): ``pool_indices`` lists, in
-        increasing order, the sequences whose hidden rows of this step the
-        runner pools; ``pool_means[j]`` (aligned): True, the sum of every row
-        the step computes for it (mean pooling, one chunk at a time); False,
-        its last row only (last pooling: the step's chunk ends its prompt).
-        A pooled sequence is never in ``sample_indices``. Both are None when
-        no sequence of the step is pooled.
+
+    The core fields (those the invariants name) are always set; each
+    feature's part of the step is one record (``drafts``, ``kv_moves``, ``lora``, ``pooling``), whose
+    fields are None when the feature has nothing in this step (the default
+    record: every field None).
     """
 
     step: int
@@ -80,27 +137,11 @@ class Batch:
     # prompt and the tokens generated so far.
     prompt_token_ids: list[list[int] | None]
     output_token_ids: list[list[int] | None]
-    draft_token_ids: list[list[int]] | None = None
-    num_propose: list[int] | None = None
+    drafts: BatchDrafts = BatchDrafts()
     token_masks: TokenMasks | None = None  # set by the engine when constrained sequences sample
-    # Prefill/decode disaggregation (``kvcache.kv_transfer``). ``kv_exports``: per sampled sequence
-    # whose prompt KV leaves with this step, (its index in ``sample_indices``, the pages holding its
-    # prompt); the runner copies them out after the forward. ``kv_imports``: per sequence whose prompt
-    # KV arrived from elsewhere, (the pages to fill, one ``KVPayload`` per tensor-parallel rank); the
-    # runner writes them before the forward.
-    kv_exports: list[tuple[int, list[int]]] | None = None
-    kv_imports: list[tuple[list[int], RankPayloads]] | None = None
-    # LoRA (``scheduling.lora_slots``): each sequence's adapter slot (-1: the base model), None
-    # when no sequence of the step has an adapter; ``lora_loads``: (slot, adapter name) to write
-    # into the runner's slots before this step's forward.
-    lora_slots: list[int] | None = None
-    lora_loads: list[tuple[int, str]] | None = None
-    # KV tiers (``scheduling.kv_tiers``): pages to copy out before anything else of the step (imports,
-    # forward) writes the pool, and each one's block key (for the engine; the runner ignores them).
-    kv_saves: list[int] | None = None
-    kv_save_keys: list[bytes] | None = None
-    pool_indices: list[int] | None = None
-    pool_means: list[bool] | None = None
+    kv_moves: BatchKVMoves = BatchKVMoves()
+    lora: BatchLoRA = BatchLoRA()
+    pooling: BatchPooling = BatchPooling()
 
     @property
     def num_seqs(self) -> int:
@@ -144,11 +185,11 @@ class StepOutput:
     logprobs: list[TokenLogprobs | None]
     num_accepted: list[int] | None = None
     draft_token_ids: list[list[int]] | None = None
-    # Aligned with ``Batch.kv_exports``: from a runner, this rank's ``KVPayload`` of each; from an
+    # Aligned with ``Batch.kv_moves.exports``: from a runner, this rank's ``KVPayload`` of each; from an
     # executor, a tuple of every rank's payload (rank order) of each.
     kv_exports: list[KVPayload] | list[RankPayloads] | None = None
-    # The pages of ``Batch.kv_saves``: this rank's payload (runner) or every rank's (executor).
+    # The pages of ``Batch.kv_moves.saves``: this rank's payload (runner) or every rank's (executor).
     kv_saves: KVPayload | RankPayloads | None = None
-    # Aligned with ``Batch.pool_indices`` (rank 0 only): a float32 host tensor (len(pool_indices), hidden),
-    # row j the sum of sequence j's hidden rows of the step, or its last row (``Batch.pool_means``).
+    # Aligned with ``Batch.pooling.indices`` (rank 0 only): a float32 host tensor (len(indices), hidden),
+    # row j the sum of sequence j's hidden rows of the step, or its last row (``Batch.pooling.means``).
     pooled: torch.Tensor | None = None

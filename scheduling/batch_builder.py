@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from scheduling.batch import Batch
+from scheduling.batch import Batch, BatchDrafts, BatchPooling
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
     # Per sampled sequence, only once one drafts or proposes (a step without speculation skips them).
     drafts: list[list[int]] | None = None
     propose: list[int] | None = None
-    # Embedding requests whose rows this step the runner pools (``Batch.pool_indices``), and how.
+    # Embedding requests whose rows this step the runner pools (``Batch.pooling.indices``), and how.
     pool_indices: list[int] = []
     pool_means: list[bool] = []
     for idx, (req, n, samples, draft, num_propose) in enumerate(scheduled):
@@ -80,7 +80,7 @@ def build_batch(step: int, scheduled: list[Scheduled]) -> Batch:
     return Batch(
         step, input_ids, positions, query_lens, context_lens, page_tables,
         sample_indices, params, num_out, prompts, outputs,
-        drafts if drafts is not None and any(drafts) else None,
-        propose if propose is not None and any(propose) else None,
-        pool_indices=pool_indices or None, pool_means=pool_means or None,
+        drafts=BatchDrafts(drafts if drafts is not None and any(drafts) else None,
+                           propose if propose is not None and any(propose) else None),
+        pooling=BatchPooling(pool_indices or None, pool_means or None),
     )

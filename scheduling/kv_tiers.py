@@ -4,23 +4,22 @@ Saving. When a request's computed pages join the radix tree, the ones a
 ``KVSaver`` picks (those no tier is known to hold) are queued to be copied
 out. A queued page holds one allocator reference, so it cannot be handed out
 again, nor overwritten, before the step that copies it has run; the next
-step carries the queue (``Batch.kv_saves``, up to ``MAX_SAVE_PAGES``; with
+step carries the queue (``Batch.kv_moves.saves``, up to ``MAX_SAVE_PAGES``; with
 nothing else to run, a step carries only them), and ``saved`` drops the
 references when the step is settled, whatever its outcome. More than
 ``MAX_QUEUED_SAVES`` pages queued (the tiers cannot keep up) drops the oldest:
 the tiers are a cache, the pool is not.
 
-Loading. A request whose prefix some tier may hold waits (``kv_loading``)
+Loading. A request whose prefix some tier may hold waits (``RequestKVMoves.loading``)
 while the engine fetches it, at most the engine's ``load_wait_s``; the
 blocks that arrived (``TierHit``) extend its radix match at admission: fresh
-pages, written from the blocks before the step's forward (``Batch.kv_imports``,
+pages, written from the blocks before the step's forward (``Batch.kv_moves.imports``,
 as prefilled KV is), and the request computes only what is left. Until that
 step is settled the pages hold no KV yet (``kv_handoff``'s rule for imports).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from kvcache.kv_blocks import slice_pages
@@ -35,24 +34,12 @@ MAX_QUEUED_SAVES = 1024
 
 
 class KVSaver(Protocol):
-    """Which newly cached pages go to the tiers (the engine's ``actors.engine.kv_offload``)."""
+    """Which newly cached pages go to the tiers (the engine's ``actors.engine.kv_tiers``)."""
 
     def select(self, namespace: str | None, token_ids: list[int], first_page: int,
                num_pages: int) -> list[tuple[int, bytes]]:  # fmt: skip
         """(page index in ``token_ids``' pages, block key) of each of pages
         ``[first_page, first_page + num_pages)`` to copy out."""
-
-
-@dataclass(frozen=True, slots=True)
-class TierHit:
-    """Blocks a tier returned for a waiting request: its pages ``first_page ..`` (one payload per rank)."""
-
-    first_page: int
-    payload: RankPayloads
-
-    @property
-    def num_pages(self) -> int:
-        return self.payload[0].num_pages
 
 
 class SaveQueue:
@@ -91,13 +78,13 @@ class SaveQueue:
 
 
 def tier_pages(req: Request, matched_pages: int, page_size: int) -> tuple[int, RankPayloads | None]:
-    """How many pages of ``req.kv_loaded`` extend a radix match of ``matched_pages``, and their payload.
+    """How many pages of ``req.kv_moves.loaded`` extend a radix match of ``matched_pages``, and their payload.
 
     The blocks must start at or before the match's end (the tree may have
     lost pages since the lookup: then they do not join up) and leave at least
     one prompt token to compute (its logits are the first output).
     """
-    hit = req.kv_loaded
+    hit = req.kv_moves.loaded
     if hit is None:
         return 0, None
     end = min(hit.first_page + hit.num_pages, (req.num_tokens - 1) // page_size)

@@ -53,7 +53,7 @@ class SamplingParams:
     sequence then ends at the end-of-sequence token once the output is
     complete, so ``ignore_eos`` cannot be combined with it.
     ``lora``: the name of a LoRA adapter loaded into the engine
-    (``LLMEngine.add_lora``) that serves this request; None is the base model.
+    (``AddLoRA``, ``actors.commands``) that serves this request; None is the base model.
     ``pooling``: set, the request is an embedding request (``scheduling.pooling``):
     its prompt's final hidden states are pooled into one vector and nothing
     is generated. ``max_tokens`` is then ignored (it neither limits nor

@@ -1,4 +1,4 @@
-"""Scheduler limits, validated when built."""
+"""The batch policy's limits (``scheduling.policy.BatchPolicy``), validated when built."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from scheduling.spec_config import SpeculativeConfig
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """What the scheduler may put in one step, and how it reuses and reclaims KV pages.
+    """Configures the batch policy (``scheduling.policy.BatchPolicy``): what it may put in one step, and how
+    it reuses and reclaims KV pages. The name is the user-facing one (the engine's ``scheduler_config()``);
+    the policy runs inside the scheduler actor (``actors.scheduler``), which this does not configure.
 
     ``max_num_batched_tokens`` is the per-step token budget (prefill tokens
     plus one per decode). Without chunked prefill a prompt must fit the budget
     in one step, so the budget must be at least ``max_model_len``.
     Preemption is not configurable: the newest running request goes first
-    (see ``scheduling.scheduler``). ``max_loras``: LoRA adapters resident at
+    (see ``scheduling.policy``). ``max_loras``: LoRA adapters resident at
     once (``scheduling.lora_slots``); 0 without LoRA.
     """
 

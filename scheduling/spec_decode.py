@@ -9,7 +9,7 @@ sampler chose (``actors.runner.spec_verify``). Where drafts come from:
   (``scheduling.ngram_proposer``); no model runs.
 - ``draft``: proposed by the model runner right after it samples (a draft
   model, or the target's first layers), returned with the step's output and
-  kept on the request (``DraftState.draft_token_ids``) for its next step. The
+  kept on the request (``Request.drafts``, a ``DraftState``) for its next step. The
   scheduler tells the runner how many to propose per sampled sequence and
   reserves the pages their KV is written to.
 
@@ -31,11 +31,8 @@ Adaptive:
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-
 from scheduling.ngram_proposer import propose_ngram
-from scheduling.request import Request
+from scheduling.request import DraftState, Request
 from scheduling.request_pages import RequestPages
 from scheduling.scheduler_stats import SchedulerStats
 from scheduling.spec_config import SpeculativeConfig
@@ -44,20 +41,6 @@ from scheduling.spec_config import SpeculativeConfig
 PROBE_EVERY = 32
 # Weight of one verified draft in the engine's acceptance average (about the last 20 drafts count).
 ACCEPTANCE_EMA_WEIGHT = 0.05
-
-
-@dataclass(slots=True)
-class DraftState:
-    """One request's speculation: drafts waiting for its next step and its recent acceptance."""
-
-    draft_token_ids: list[int] = field(default_factory=list)
-    # The output length the proposals follow: they are valid for the step right after they were made and
-    # stale once any token is added without them (a step that did not draft, a cooldown, a preemption).
-    proposed_at: int = -1
-    # (drafted, accepted) of its last drafted steps, at most acceptance_window of them.
-    recent: deque[tuple[int, int]] = field(default_factory=deque)
-    # The output length from which it may draft again after a cooldown.
-    resume_at: int = 0
 
 
 class SpecDecodePolicy:
@@ -82,9 +65,9 @@ class SpecDecodePolicy:
         return self._held_steps % PROBE_EVERY == 0
 
     def _state(self, req: Request) -> DraftState:
-        if req.spec is None:
-            req.spec = DraftState()
-        return req.spec
+        if req.drafts is None:
+            req.drafts = DraftState()
+        return req.drafts
 
     def max_drafts(self, req: Request) -> int:
         """Draft tokens worth verifying for ``req`` now (0 when it is cooling down).

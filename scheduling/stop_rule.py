@@ -1,6 +1,6 @@
 """When one generated sequence stops, decided in one place, token by token.
 
-``Scheduler.update`` calls ``StopRule.on_token`` for every sampled token; it
+``BatchPolicy.update`` calls ``StopRule.on_token`` for every sampled token; it
 returns the text that token makes safe to emit and the finish reason, if
 the sequence ends there:
 
@@ -31,10 +31,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from scheduling.finish_reason import FinishReason
 from scheduling.sampling_params import SamplingParams
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
 
 
 class TextStream(Protocol):
@@ -82,10 +80,10 @@ class StopRule:
         self._max_tokens = params.max_tokens
         self._text: TextStream = _NO_TEXT if text is None else text
         self._held = ""
-        self._finish_reason: str | None = None
+        self._finish_reason: FinishReason | None = None
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         """``"stop"`` or ``"length"`` once the sequence ended, else None."""
         return self._finish_reason
 
@@ -94,21 +92,21 @@ class StopRule:
         """Text received but not yet emitted (a possible stop-string start)."""
         return self._held
 
-    def on_token(self, token_id: int, num_output_tokens: int) -> tuple[str, str | None]:
+    def on_token(self, token_id: int, num_output_tokens: int) -> tuple[str, FinishReason | None]:
         """Take one generated token; ``num_output_tokens`` counts it.
 
         Returns (text safe to emit now, finish reason or None).
         """
         assert self._finish_reason is None, "sequence already stopped"
         if token_id in self._stop_token_ids:  # its own text is never emitted
-            return self._end(FINISH_STOP)
+            return self._end(FinishReason.STOP)
         text, reason = self._check(self._text.add(token_id))
         if reason is not None or num_output_tokens < self._max_tokens:
             return text, reason
-        tail, reason = self._end(FINISH_LENGTH)
+        tail, reason = self._end(FinishReason.LENGTH)
         return text + tail, reason
 
-    def _end(self, reason: str) -> tuple[str, str]:
+    def _end(self, reason: FinishReason) -> tuple[str, FinishReason]:
         """Flush the held-back bytes through the stop strings, then release what is held."""
         tail, found = self._check(self._text.flush())
         if found is not None:
@@ -117,7 +115,7 @@ class StopRule:
         self._finish_reason = reason
         return text, reason
 
-    def _check(self, text_delta: str) -> tuple[str, str | None]:
+    def _check(self, text_delta: str) -> tuple[str, FinishReason | None]:
         """Emit what ``text_delta`` makes safe; "stop" when it completes a stop string."""
         if not self._stop_strings:
             return text_delta, None
@@ -126,8 +124,8 @@ class StopRule:
         if stop_at is not None:
             # Everything from the stop string on is dropped, forever.
             self._held = ""
-            self._finish_reason = FINISH_STOP
-            return text[:stop_at], FINISH_STOP
+            self._finish_reason = FinishReason.STOP
+            return text[:stop_at], FinishReason.STOP
         hold = self._hold_length(text)
         self._held = text[len(text) - hold:] if hold else ""
         return text[: len(text) - hold], None

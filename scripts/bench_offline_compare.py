@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.engine.prompt_ids import chat_ids
 from actors.load.loader import load_tokenizer, resolve_model_path
+from actors.tokenizing import chat_ids
 from cli.bench.serve.datasets import DatasetConfig, build_requests
 
 ROOT = Path(__file__).resolve().parent.parent

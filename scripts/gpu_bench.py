@@ -378,7 +378,7 @@ def significant(x: float) -> float:
 
 def pages_all_free(engine: LLMEngine) -> tuple[bool, str]:
     """Whether every page is free or only cached (evictable), none locked, the allocator consistent."""
-    sched = engine.scheduler
+    sched = engine.policy
     cache = sched.cache
     evictable = cache.num_evictable_pages if cache is not None else 0
     locked = cache.num_locked_pages if cache is not None else 0

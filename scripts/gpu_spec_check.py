@@ -60,7 +60,7 @@ for model in ("tiny", "small"):
                     s_runs.append(stps)
                 same = sum(x == y for x, y in zip(bt, st, strict=True))
                 first_diff = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None) for x, y in zip(bt, st, strict=True)]
-                stats = spec.engine.scheduler.stats
+                stats = spec.engine.policy.stats
                 case = {"model": model, "dtype": dtype, "method": name, "load": label,
                         "same_outputs": f"{same}/{len(bt)}",
                         "first_diff_positions": [d for d in first_diff if d is not None][:8],
@@ -70,7 +70,7 @@ for model in ("tiny", "small"):
                 print(json.dumps(case), flush=True)
                 results["cases"].append(case)
             e = spec.engine
-            cache = e.scheduler.cache
+            cache = e.policy.cache
             free = e.allocator.num_free_pages + (cache.num_evictable_pages if cache else 0)
             assert free == e.allocator.num_pages, (free, e.allocator.num_pages)
             spec.shutdown()

@@ -4,7 +4,8 @@
 
 prints the diagram of folders and their import arrows (mermaid) that
 docs/architecture.md shows: one node per top-level package, and one per job
-inside ``actors/`` and ``kvcache/attention``; an arrow where some module of
+inside ``actors/`` and ``apps/`` (a request's way: protocol, inputs, tools, outputs, responses,
+replica) and ``kvcache/attention``; an arrow where some module of
 one imports a module of the other at run time (imports under ``if
 TYPE_CHECKING:`` never run and are left out), less arrows that a path of
 others already implies.
@@ -30,8 +31,9 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import that runs (module, class or function level), those under ``if TYPE_CHECKING:`` left out."""
+def runtime_imports(tree: ast.AST, *, type_checking: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that runs (module, class or function level), those under ``if TYPE_CHECKING:`` left out
+    unless ``type_checking`` (then every import the type checker reads too)."""
     found: list[ast.Import | ast.ImportFrom] = []
     stack: list[ast.AST] = [tree]
     while stack:
@@ -39,20 +41,21 @@ def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
+            if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
                 stack.extend(child.orelse)  # only its else branch runs
             else:
                 stack.append(child)
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the repo modules it imports at run time (``from pkg import mod`` counts as ``pkg.mod``)."""
+def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the repo modules it imports at run time (``from pkg import mod`` counts as ``pkg.mod``);
+    with ``type_checking``, those it imports under ``if TYPE_CHECKING:`` as well."""
     modules = {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets: set[str] = set()
-        for node in runtime_imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in runtime_imports(ast.parse(path.read_text(), filename=str(path)), type_checking=type_checking):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name in modules)
             elif node.module and node.level == 0 and node.module.split(".")[0] in PACKAGES:
@@ -109,10 +112,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def folder(module: str) -> str:
-    """The folder the diagram gives ``module``: its top-level package, or its job inside ``actors/``."""
+    """The folder the diagram gives ``module``: its top-level package, or its job inside ``actors/`` or ``apps/``."""
     parts = module.split(".")
-    if parts[0] == "actors" and len(parts) > 1 and (ROOT / "actors" / parts[1]).is_dir():
-        return f"actors/{parts[1]}"
+    if parts[0] in ("actors", "apps") and len(parts) > 1 and (ROOT / parts[0] / parts[1]).is_dir():
+        return f"{parts[0]}/{parts[1]}"
     if parts[:2] == ["kvcache", "attention"]:
         return "kvcache/attention"
     return parts[0]
@@ -147,7 +150,8 @@ def reduced(arrows: set[tuple[str, str]]) -> set[tuple[str, str]]:
 
 def mermaid(arrows: set[tuple[str, str]]) -> str:
     def node(name: str) -> str:
-        label = "actors/*.py" if name == "actors" else f"{name}/"  # the root modules every actors/ job shares
+        # the root modules every actors/ job shares; apps/'s root holds the builder and the offline LLM
+        label = {"actors": "actors/*.py", "apps": "apps/*.py"}.get(name, f"{name}/")
         return f'{name.replace("/", "_")}["{label}"]'
 
     lines = ["flowchart TD"] + [f"  {node(a)} --> {node(b)}" for a, b in sorted(arrows)]

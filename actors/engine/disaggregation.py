@@ -2,7 +2,7 @@
 
 Prefill replica: ``start_prefill`` queues a request that computes its prompt
 and samples its first token only; the step that samples it copies the
-prompt's pages out (``Batch.kv_exports``), and ``collect_exports`` keeps them,
+prompt's pages out (``Batch.kv_moves.exports``), and ``collect_exports`` keeps them,
 by request, until the caller takes them as a ``PrefillResult``. Its pages
 then end like any request's: their KV stays in the prefix cache.
 
@@ -25,33 +25,30 @@ which imports this one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from dataclasses import replace
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from actors.api import (
+    WEIGHT_QUANTIZATION_FIELDS,
+    PrefillResult,
+    SequenceDelta,
+    SequenceTiming,
+    WeightQuantization,
+    check_decode_drafting,
+)
 from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.executor import Executor
 from actors.engine.lora_registry import LoRARegistry
-from actors.engine.outputs import SequenceDelta, SequenceTiming
 from kvcache.kv_transfer import KVPayloadMismatchError, RankPayloads, check_layout
-from scheduling.batch import Batch, StepOutput, TokenLogprobs
+from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
+from scheduling.policy import BatchPolicy
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
-from scheduling.spec_config import SpeculativeConfig
 from scheduling.stop_rule import StopRule
-
-if TYPE_CHECKING:  # only named in annotations: the offline engine runs without importing Ray
-    from ray import ObjectRef
-
-# A ``PrefillResult``'s KV as it travels: the payloads, or on Ray an ``ObjectRef`` to them.
-RankPayloadsOrRef: TypeAlias = "RankPayloads | ObjectRef[RankPayloads]"
-# An engine's ``(quantization, quantization_group_size)``: with the model, what computed its KV.
-WeightQuantization: TypeAlias = tuple[str | None, int | None]
-WEIGHT_QUANTIZATION_FIELDS = ("quantization", "quantization_group_size")  # the EngineConfig fields of one
 
 
 class PDEngine(Protocol):
@@ -59,7 +56,7 @@ class PDEngine(Protocol):
 
     config: EngineConfig
     executor: Executor
-    scheduler: Scheduler
+    policy: BatchPolicy
     tokenizer: PreTrainedTokenizerBase
     eos_token_id: int | None
     loras: LoRARegistry
@@ -70,23 +67,6 @@ class PDEngine(Protocol):
                     prompt_token_ids: list[int] | None = None) -> int: ...
 
     def track(self, req: Request) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    """A prompt computed on a prefill replica: its first token and its KV (one payload per rank)."""
-
-    request_id: str
-    first_token: int
-    first_logprobs: TokenLogprobs | None
-    # On Ray an ObjectRef to the payloads, so the pages are copied into the object store once and
-    # only the ref passes the replicas between; the decode side fetches them before ``add_prefilled``.
-    kv: RankPayloadsOrRef
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    kv_bytes: int
-    prefill_s: float  # queued + computed on the prefill replica, export included
-    quantization: WeightQuantization  # the prefill engine's (``weight_quantization``)
 
 
 def weight_quantization(config: EngineConfig) -> WeightQuantization:
@@ -110,7 +90,7 @@ def start_prefill(engine: PDEngine, request_id: str, prompt_ids: list[int], para
     check_remote_prefill(params)
     first_only = replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
     engine.add_request(request_id, prompt_ids, first_only, prompt_token_ids=prompt_ids)
-    engine.scheduler.requests[request_id].export_kv = True
+    engine.policy.requests[request_id].kv_moves.export = True
 
 
 def collect_exports(engine: PDEngine, batch: Batch, output: StepOutput) -> None:
@@ -119,12 +99,12 @@ def collect_exports(engine: PDEngine, batch: Batch, output: StepOutput) -> None:
     Only for requests still live: one aborted while the step ran (its caller
     cancelled, and took nothing) would leave its prompt's KV here for good.
     """
-    if batch.kv_exports is None:
+    if batch.kv_moves.exports is None:
         return
-    assert output.kv_exports is not None and len(output.kv_exports) == len(batch.kv_exports)
-    reqs = engine.scheduler.requests_in_step(batch.step)
-    live = engine.scheduler.requests
-    for (j, _), payloads in zip(batch.kv_exports, output.kv_exports, strict=True):
+    assert output.kv_exports is not None and len(output.kv_exports) == len(batch.kv_moves.exports)
+    reqs = engine.policy.requests_in_step(batch.step)
+    live = engine.policy.requests
+    for (j, _), payloads in zip(batch.kv_moves.exports, output.kv_exports, strict=True):
         req = reqs[batch.sample_indices[j]]
         if live.get(req.request_id) is req:
             assert isinstance(payloads, tuple), "an executor's output holds every rank's payloads of each export"
@@ -152,30 +132,13 @@ def add_prefilled(
     logprobs = [result.first_logprobs] if params.logprobs is not None and result.first_logprobs else None
     timing = None
     if reason is None:
-        req.kv_import = kv
+        req.kv_moves.imported = kv
         engine.track(req)
     else:  # ended by its first token: nothing to decode, no page taken
         timing = SequenceTiming(arrival_time, req.first_token_time, req.last_token_time, 1, req.first_scheduled_time)
-    return [SequenceDelta(rid, 0, tokens, text, logprobs, reason, len(prompt_ids), result.num_cached_tokens,
-                          None, timing)]
-
-
-def check_decode_drafting(speculative_config: SpeculativeConfig | dict[str, Any] | str | None) -> None:
-    """Refuse a separate draft model where requests arrive prefilled (a decode replica or pool).
-
-    Only the target model's KV moves between replicas: the draft model's own
-    pool would hold nothing for an imported prompt, and its drafts would be
-    blind. N-gram drafting and a self-draft (``layers``, on the target's
-    pages) see the imported KV and are kept.
-    """
-    spec = SpeculativeConfig.parse(speculative_config)
-    if spec is not None and spec.model is not None:
-        raise InvalidParameterError(
-            "speculative_config.model",
-            f"the draft model {spec.model!r} drafts from a KV pool of its own, which a prompt prefilled on "
-            f"another replica never fills: a decode replica drafts with method 'ngram' or a self-draft "
-            f"('layers'), or not at all",
-        )
+    return [SequenceDelta(request_id=rid, index=0, token_ids=tokens, text=text, logprobs=logprobs,
+                          finish_reason=reason, num_prompt_tokens=len(prompt_ids),
+                          num_cached_tokens=result.num_cached_tokens, timing=timing)]
 
 
 def _check_kv(engine: PDEngine, kv: RankPayloads, quantization: WeightQuantization, num_prompt_tokens: int) -> None:

@@ -9,15 +9,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
+from actors.commands import Command
 from actors.config import EngineConfig
-from actors.runner.lora_manager import LoRAInfo
 from kvcache.kv_pool import KVCapacity
 from kvcache.kv_transfer import KVLayout, KVPayload
 from scheduling.batch import Batch, StepOutput
-from scheduling.errors import InvalidParameterError
 
-# How long a read of the expert counts (``Executor.expert_tokens``) may take before stats go without them.
+R = TypeVar("R")
+
+# How long a read of the expert counts (``ReadExpertTokens``) may take before stats go without them.
 EXPERT_TOKENS_TIMEOUT_S = 2.0
 
 
@@ -28,13 +30,13 @@ class Executor(ABC):
     kv_layout: KVLayout  # what its pool's pages hold: the engine checks a prefilled request's KV against it
     model_path: Path
     vocab_size: int
-    num_moe_layers: int = 0  # 0: a dense model (or an executor that reads no expert counts: expert_tokens ())
+    num_moe_layers: int = 0  # 0: a dense model (or an executor that reads no expert counts: ReadExpertTokens ())
 
     @abstractmethod
     def execute(self, batch: Batch) -> StepOutput:
         """Run one step and return the sampled tokens (aligned with ``batch.sample_indices``).
 
-        With ``batch.kv_exports``, the output's ``kv_exports`` holds per entry
+        With ``batch.kv_moves.exports``, the output's ``kv_exports`` holds per entry
         a tuple of every rank's ``KVPayload``, in rank order.
         """
 
@@ -42,33 +44,15 @@ class Executor(ABC):
     def restart(self) -> None:
         """Rebuild the shards after an ``ExecutorFailure``; the KV pool and LoRA slots start empty."""
 
-    def add_lora(self, name: str, path: str) -> LoRAInfo:
-        """Register a LoRA adapter on every shard; a refusal raises ``InvalidParameterError`` and registers nothing.
+    def command(self, cmd: Command[R]) -> R:
+        """Run a control command (``actors.commands``) on every shard; a refusal raises ``InvalidParameterError``
+        and leaves no shard changed.
 
-        This default serves none (an executor without model shards, such as a test's stand-in).
+        Only ``ReadExpertTokens`` may come from any thread while a step runs;
+        every other command comes between steps, on the engine's thread. This
+        default holds no model: ``Command.unserved``.
         """
-        raise InvalidParameterError("enable_lora", f"{type(self).__name__} serves no LoRA adapters")
-
-    def remove_lora(self, name: str) -> None:
-        """Forget an adapter on every shard (no step uses it any more); this default holds none to forget."""
-        return None
-
-    def prepare_loras(self, names: list[str]) -> dict[str, str]:
-        """Have the next step's adapter loads read on every shard, before the step; adapter -> why one failed.
-
-        Called only for a step that writes adapters into slots (``Batch.lora_loads``). This default holds none.
-        """
-        return {}
-
-    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
-        """Per MoE layer, per expert, the tokens routed to it since the shards loaded (``ModelRunner.expert_tokens``).
-
-        () for a dense model, or when the counts cannot be read now. Unlike
-        every other call, from any thread while a step runs (it reads
-        counters, waits for no step), within ``EXPERT_TOKENS_TIMEOUT_S``.
-        This default holds no model.
-        """
-        return ()
+        return cmd.unserved(type(self).__name__)
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -90,22 +74,13 @@ class LocalExecutor(Executor):
 
     def execute(self, batch: Batch) -> StepOutput:
         out = self.runner.execute(batch)
-        return with_rank_exports(out, [out]) if batch.kv_exports or batch.kv_saves else out
+        return with_rank_exports(out, [out]) if batch.kv_moves.exports or batch.kv_moves.saves else out
 
     def restart(self) -> None:
         """In-process there is no shard to lose: nothing to rebuild."""
 
-    def add_lora(self, name: str, path: str) -> LoRAInfo:
-        return self.runner.add_lora(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        self.runner.remove_lora(name)
-
-    def prepare_loras(self, names: list[str]) -> dict[str, str]:
-        return self.runner.prepare_loras(names)
-
-    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
-        return self.runner.expert_tokens()
+    def command(self, cmd: Command[R]) -> R:
+        return self.runner.command(cmd)
 
     def shutdown(self) -> None:
         """Nothing to stop in-process; the runner's tensors go with this object."""
@@ -116,7 +91,7 @@ def with_rank_exports(out: StepOutput, rank_outputs: list[StepOutput | None]) ->
     export (and one for the saved pages), in rank order.
 
     ``rank_outputs[r]`` is rank r's output; each carries this rank's payload
-    of every export of the step, aligned with ``Batch.kv_exports``, and of its ``Batch.kv_saves``.
+    of every export of the step, aligned with ``Batch.kv_moves.exports``, and of its ``Batch.kv_moves.saves``.
     """
     if out.kv_exports is not None:
         per_rank: list[list[KVPayload]] = []

@@ -1,4 +1,4 @@
-"""The engine step loop: scheduler + executor + detokenization, in one process.
+"""The engine step loop: batch policy + executor + detokenization, in one process.
 
 ``LLMEngine.step()`` runs one engine step and returns one delta per sequence
 that changed, so a caller (the offline API, the scheduler actor) publishes one
@@ -15,27 +15,27 @@ from dataclasses import dataclass, replace
 
 from xgrammar import CompiledGrammar
 
+from actors.api import FinishReason, SequenceDelta, SequenceTiming
 from actors.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.disaggregation import collect_exports
 from actors.engine.embeddings import EmbeddingSums
 from actors.engine.executor import Executor, LocalExecutor
-from actors.engine.kv_offload import KVOffload
+from actors.engine.kv_tiers import KVTiersLink
 from actors.engine.lora_registry import LoRARegistry
-from actors.engine.outputs import SequenceDelta, SequenceTiming
-from actors.engine.prompt_ids import text_ids
 from actors.errors import ExecutorFailure
 from actors.grammar.compiler import GrammarCompiler
 from actors.grammar.states import GrammarStates
 from actors.load.loader import load_tokenizer
 from actors.log import get_logger
+from actors.tokenizing import text_ids
 from kvcache.kv_transfer import RankPayloads
 from kvcache.page_allocator import PageAllocator
 from scheduling.batch import Batch, StepOutput, TokenLogprobs
 from scheduling.errors import InvalidParameterError
+from scheduling.policy import BatchPolicy
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
 from scheduling.stop_rule import StopRule
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
@@ -51,7 +51,7 @@ class _Sequence:
 
 
 class LLMEngine:
-    """Owns the scheduler, the executor and every sequence's text state."""
+    """Owns the batch policy, the executor and every sequence's text state."""
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -60,17 +60,17 @@ class LLMEngine:
         self.vocab_size = self.executor.vocab_size
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         self.allocator = PageAllocator(self.executor.capacity.num_pages)
-        self.scheduler = Scheduler(config.scheduler_config(), self.allocator)
-        self.loras = LoRARegistry(config, self.executor, self.scheduler)
-        # The KV tiers below the pool (host, disk, cluster), when configured (actors.engine.kv_offload).
-        self.offload = (None if config.kv_offload is None else
-                        KVOffload(config, config.kv_offload, self.executor.kv_layout, self.executor.model_path,
-                                  self.scheduler))  # fmt: skip
-        self._seqs: dict[str, _Sequence] = {}  # scheduler request id -> state
-        self._groups: dict[str, list[str]] = {}  # client request id -> scheduler ids
-        # The batch whose step failed between schedule() and the scheduler's update (its token
+        self.policy = BatchPolicy(config.scheduler_config(), self.allocator)
+        self.loras = LoRARegistry(config, self.executor, self.policy)
+        # The KV tiers below the pool (host, disk, cluster), when configured (actors.engine.kv_tiers).
+        self.kv_tiers = (None if config.kv_offload is None else
+                        KVTiersLink(config, config.kv_offload, self.executor.kv_layout, self.executor.model_path,
+                                  self.policy))  # fmt: skip
+        self._seqs: dict[str, _Sequence] = {}  # policy request id -> state
+        self._groups: dict[str, list[str]] = {}  # client request id -> policy request ids
+        # The batch whose step failed between schedule() and the policy's update (its token
         # masks, the forward, or finish_step before the update), until fail_step/fail_all settles
-        # it: its scheduler bookkeeping is still open and its requests' state unknown.
+        # it: its policy bookkeeping is still open and its requests' state unknown.
         self._failed_batch: Batch | None = None
         # Adapters the step in flight could not read (adapter -> why), set by execute() on the engine's
         # worker thread; their requests end when the step is settled (finish_step or fail_*), on the loop.
@@ -151,21 +151,21 @@ class LLMEngine:
                 stop = StopRule(child_params, self.eos_token_id, IncrementalDetokenizer(self.tokenizer, ids))
                 req = Request(sid, ids, child_params, namespace=namespace, stop_rule=stop, lora_key=lora_key)
                 # Siblings start from the first one's prompt pages: computed once.
-                self.scheduler.add(req, share_prompt_with=children[0] if children else None)
+                self.policy.add(req, share_prompt_with=children[0] if children else None)
                 children.append(sid)
                 self._seqs[sid] = _Sequence(request_id, i, params.logprobs is not None)
                 if grammar is not None and constraint is not None:
                     self.grammar_states.add(sid, grammar, child_params.max_tokens)
         except Exception:
             for sid in children:
-                self.scheduler.abort(sid)
+                self.policy.abort(sid)
                 self._seqs.pop(sid, None)
                 self.grammar_states.remove(sid)
             raise
         self._groups[request_id] = children
         # Siblings of n > 1 start from the first one's pages; an embedding request reads no cached KV.
-        if self.offload is not None and params.pooling is None:
-            self.offload.start_load(self.scheduler.requests[children[0]])
+        if self.kv_tiers is not None and params.pooling is None:
+            self.kv_tiers.start_load(self.policy.requests[children[0]])
         if constraint is not None:
             self.constrained_requests[constraint.kind] += 1
         return len(ids)
@@ -174,13 +174,13 @@ class LLMEngine:
         """Schedule an already built one-sequence request (``actors.engine.disaggregation.add_prefilled``)."""
         if req.request_id in self._groups:
             raise InvalidParameterError("request_id", f"{req.request_id!r} is already running")
-        self.scheduler.add(req)
+        self.policy.add(req)
         self._seqs[req.request_id] = _Sequence(req.request_id, 0, req.params.logprobs is not None)
         self._groups[req.request_id] = [req.request_id]
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Abort every sequence of a request; returns their final deltas."""
-        deltas = self._end_group(request_id, "abort", None)
+        deltas = self._end_group(request_id, FinishReason.ABORT, None)
         # This may be an unloading adapter's last request, and an idle engine runs no step that would finish
         # the unload (the step loop is not woken by an abort).
         self.loras.finish_unloads()
@@ -201,10 +201,10 @@ class LLMEngine:
             return self._end_unreadable()
         groups = dict.fromkeys(
             self._seqs[r.request_id].request_id
-            for r in self.scheduler.requests_in_step(batch.step)
+            for r in self.policy.requests_in_step(batch.step)
             if r.request_id in self._seqs  # not aborted while the step ran
         )
-        deltas = self._end_unreadable() + [d for rid in groups for d in self._end_group(rid, "error", message)]
+        deltas = self._end_unreadable() + [d for rid in groups for d in self._end_group(rid, FinishReason.ERROR, message)]
         self._settle(batch)
         self.loras.finish_unloads()  # the step's requests may have been an unloading adapter's last
         return deltas
@@ -217,37 +217,38 @@ class LLMEngine:
         cache is emptied too, since its pages no longer hold valid KV.
         """
         deltas = self._end_unreadable()
-        deltas += [d for rid in list(self._groups) for d in self._end_group(rid, "error", message)]
+        deltas += [d for rid in list(self._groups) for d in self._end_group(rid, FinishReason.ERROR, message)]
         batch, self._failed_batch = self._failed_batch, None
         if batch is not None:
             self._settle(batch)
         if kv_lost:
-            self.scheduler.kv.saves.clear()  # pages queued to be copied out hold nothing now
-            if self.scheduler.cache is not None:
-                self.scheduler.cache.reset()
+            self.policy.kv.saves.clear()  # pages queued to be copied out hold nothing now
+            if self.policy.cache is not None:
+                self.policy.cache.reset()
             self.loras.shards_restarted()
         self.loras.finish_unloads()  # every request has ended: unloading adapters go now
         return deltas
 
-    def _end_group(self, request_id: str, reason: str, error: str | None) -> list[SequenceDelta]:
+    def _end_group(self, request_id: str, reason: FinishReason, error: str | None) -> list[SequenceDelta]:
         deltas = []
         for sid in self._groups.pop(request_id, []):
-            req = self.scheduler.abort(sid)
+            req = self.policy.abort(sid)
             seq = self._seqs.pop(sid, None)
             self.grammar_states.remove(sid)
             self.exported.pop(sid, None)
             self.embeddings.drop(sid)
             if req is not None and seq is not None:
                 deltas.append(SequenceDelta(
-                    request_id, seq.index, [], "", None, reason,
-                    req.num_prompt_tokens, req.num_cached_tokens, error, _timing(req),
+                    request_id=request_id, index=seq.index, token_ids=[], text="", logprobs=None,
+                    finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens, error=error, timing=_timing(req),
                 ))
         return deltas
 
     def _settle(self, batch: Batch) -> None:
-        """Settle a failed step's scheduler bookkeeping once its requests are aborted.
+        """Settle a failed step's policy bookkeeping once its requests are aborted.
 
-        ``Scheduler.update`` skips requests that are no longer running, so a
+        ``BatchPolicy.update`` skips requests that are no longer running, so a
         placeholder output only drops the step's in-flight record. Its
         requests are ended (their deltas made) before this runs; should it
         fail, the batch is kept to settle on the next ``fail_*`` and
@@ -255,7 +256,7 @@ class LLMEngine:
         """
         n = len(batch.sample_indices)
         try:
-            self.scheduler.update(batch, StepOutput([0] * n, [None] * n))
+            self.policy.update(batch, StepOutput([0] * n, [None] * n))
         except Exception:
             logger.exception("the failed step %d could not be settled; the engine cannot plan another", batch.step)
             self._failed_batch = batch
@@ -269,11 +270,11 @@ class LLMEngine:
     def can_schedule(self) -> bool:
         """False while a step's bookkeeping is open: between ``schedule()`` and ``finish_step``/``fail_*``,
         or for good if a failed step could not be settled."""
-        return not self.scheduler.has_step_in_flight
+        return not self.policy.has_step_in_flight
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.policy.has_work
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -283,8 +284,8 @@ class LLMEngine:
     def step(self) -> list[SequenceDelta]:
         """Run one engine step; return one delta per sequence that gained text or ended."""
         batch = self.schedule()
-        if batch is None and self.offload is not None and self.offload.has_loads:
-            self.offload.wait_for_loads()  # nothing else to run: the requests wait for their KV loads
+        if batch is None and self.kv_tiers is not None and self.kv_tiers.has_loads:
+            self.kv_tiers.wait_for_loads()  # nothing else to run: the requests wait for their KV loads
             batch = self.schedule()
         if batch is None:
             return []
@@ -295,12 +296,12 @@ class LLMEngine:
     # lock, execute() without it (it reads only the immutable Batch).
     def schedule(self) -> Batch | None:
         """Plan the next step (with its token masks); None when there is nothing to run."""
-        if self.offload is not None:
-            self.offload.deliver()
-        batch = self.scheduler.schedule()
+        if self.kv_tiers is not None:
+            self.kv_tiers.deliver()
+        batch = self.policy.schedule()
         if batch is None or not (self.loras.enabled or len(self.grammar_states)):
             return batch  # the common step: no per-request walk
-        reqs = self.scheduler.requests_in_step(batch.step)
+        reqs = self.policy.requests_in_step(batch.step)
         if self.loras.enabled:
             self.loras.planned(batch, reqs)
         if not len(self.grammar_states):
@@ -328,7 +329,7 @@ class LLMEngine:
         start = time.perf_counter()
         self._unreadable = {}
         try:
-            return self.executor.execute(self._prepare_loras(batch) if batch.lora_loads else batch)
+            return self.executor.execute(self._prepare_loras(batch) if batch.lora.loads else batch)
         except BaseException:
             # The caller settles it with fail_step() or fail_all().
             self._failed_batch = batch
@@ -345,42 +346,43 @@ class LLMEngine:
             raise  # a shard is down: the executor restarts, every request ends
         except Exception as exc:  # noqa: BLE001 - a read that failed oddly is still only those adapters' failure
             logger.exception("the step's LoRA adapters could not be read")
-            assert batch.lora_loads is not None
-            self._unreadable = dict.fromkeys((n for _, n in batch.lora_loads),
+            assert batch.lora.loads is not None
+            self._unreadable = dict.fromkeys((n for _, n in batch.lora.loads),
                                              f"its files could not be read ({type(exc).__name__})")
         if not self._unreadable:
             return batch
-        assert batch.lora_loads is not None
-        return replace(batch, lora_loads=[(s, n) for s, n in batch.lora_loads if n not in self._unreadable] or None)
+        assert batch.lora.loads is not None
+        loads = [(s, n) for s, n in batch.lora.loads if n not in self._unreadable]
+        return replace(batch, lora=replace(batch.lora, loads=loads or None))
 
     def _end_unreadable(self) -> list[SequenceDelta]:
-        """End the requests of the adapters the step could not read (before ``Scheduler.update``, so none of
+        """End the requests of the adapters the step could not read (before ``BatchPolicy.update``, so none of
         their KV computed without the adapter is kept) and free their slots, never written."""
         unreadable, self._unreadable = self._unreadable, {}
         deltas: list[SequenceDelta] = []
-        requests = self.scheduler.requests
+        requests = self.policy.requests
         for name, why in unreadable.items():
             ended = [rid for rid, sids in self._groups.items()
                      if any(requests[s].params.lora == name for s in sids if s in requests)]  # fmt: skip
             for rid in ended:
-                deltas += self._end_group(rid, "error", f"LoRA adapter {name!r} could not be loaded: {why}")
+                deltas += self._end_group(rid, FinishReason.ERROR, f"LoRA adapter {name!r} could not be loaded: {why}")
             self.loras.unassign(name)
         return deltas
 
     def finish_step(self, batch: Batch, output: StepOutput) -> list[SequenceDelta]:
-        """Apply a step's sampled tokens (the scheduler detokenizes and stops them) and pooled rows; emit deltas.
+        """Apply a step's sampled tokens (the policy detokenizes and stops them) and pooled rows; emit deltas.
 
-        Requests aborted while the step ran are skipped (the scheduler drops them).
+        Requests aborted while the step ran are skipped (the policy drops them).
         """
         deltas = self._end_unreadable()  # first: update must not take their rows
         try:
             collect_exports(self, batch, output)  # before update: it ends the prefill-only requests
-            if batch.kv_saves and self.offload is not None:
-                assert batch.kv_save_keys is not None and isinstance(output.kv_saves, tuple)
-                self.offload.store(batch.kv_save_keys, output.kv_saves)
-            update = self.scheduler.update(batch, output)
+            if batch.kv_moves.saves and self.kv_tiers is not None:
+                assert batch.kv_moves.save_keys is not None and isinstance(output.kv_saves, tuple)
+                self.kv_tiers.store(batch.kv_moves.save_keys, output.kv_saves)
+            update = self.policy.update(batch, output)
         except BaseException:
-            if self.scheduler.is_in_flight(batch.step):  # failed before update took it: fail_* settles it
+            if self.policy.is_in_flight(batch.step):  # failed before update took it: fail_* settles it
                 self._failed_batch = batch
             raise
         deltas += self._pool(batch, output, update.pooled) if update.pooled else []
@@ -389,17 +391,17 @@ class LLMEngine:
             seq = self._seqs[req.request_id]
             if batch.token_masks is not None and not self._accept(req.request_id, tokens):
                 refused.append(seq.request_id)
-            reason = req.finish_reason  # set by the scheduler's StopRule when this token ended it
-            if reason == "stop" and self.grammar_states.forced(req.request_id):
-                reason = req.finish_reason = "length"  # complete, but the budget (not the model) ended it
+            reason = req.finish_reason  # set by the policy's StopRule when this token ended it
+            if reason is FinishReason.STOP and self.grammar_states.forced(req.request_id):
+                reason = req.finish_reason = FinishReason.LENGTH  # complete, but the budget (not the model) ended it
             done = reason is not None
             logprobs: list[TokenLogprobs] | None = None
             if seq.want_logprobs:
                 logprobs = [lp for lp in output.logprobs[row : row + len(tokens)] if lp is not None]
             deltas.append(SequenceDelta(
-                seq.request_id, seq.index, tokens, text, logprobs,
-                reason, req.num_prompt_tokens, req.num_cached_tokens,
-                None, _timing(req) if done else None,
+                request_id=seq.request_id, index=seq.index, token_ids=tokens, text=text, logprobs=logprobs,
+                finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens, timing=_timing(req) if done else None,
             ))
             if done:
                 self._forget(req)
@@ -408,7 +410,7 @@ class LLMEngine:
         )
         for rid in dict.fromkeys(refused):  # a masked token the grammar then refused: a bug, never quiet
             logger.error("request %s: a sampled token broke its output constraint; ending it", rid)
-            deltas += self._end_group(rid, "error", "the output constraint refused a sampled token")
+            deltas += self._end_group(rid, FinishReason.ERROR, "the output constraint refused a sampled token")
         self.loras.finish_unloads()
         return deltas
 
@@ -416,23 +418,24 @@ class LLMEngine:
         """Fold the step's pooled rows into their requests' sums; one final delta per embedding finished.
 
         The scheduler ends an embedding request in the step that computes its
-        prompt's last token, which always pools it (``Batch.pool_indices``).
+        prompt's last token, which always pools it (``Batch.pooling.indices``).
         """
-        assert output.pooled is not None and batch.pool_indices is not None, f"step {batch.step}: no pooled rows"
+        assert output.pooled is not None and batch.pooling.indices is not None, f"step {batch.step}: no pooled rows"
         deltas: list[SequenceDelta] = []
         for req, j, first in pooled:
             pooling = req.pooling
             assert pooling is not None
             row = output.pooled[j]
             if pooling.mode == "mean":
-                self.embeddings.add(req.request_id, first, batch.query_lens[batch.pool_indices[j]], row)
+                self.embeddings.add(req.request_id, first, batch.query_lens[batch.pooling.indices[j]], row)
             if req.finish_reason is None:
                 continue
             seq = self._seqs[req.request_id]
             vector = self.embeddings.finish(req.request_id, pooling, req.num_prompt_tokens, row)
             deltas.append(SequenceDelta(
-                seq.request_id, seq.index, [], "", None, req.finish_reason, req.num_prompt_tokens,
-                req.num_cached_tokens, None, _timing(req), embedding=vector,
+                request_id=seq.request_id, index=seq.index, token_ids=[], text="", logprobs=None,
+                finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens, timing=_timing(req), embedding=vector,
             ))
             self._forget(req)
         return deltas
@@ -451,8 +454,8 @@ class LLMEngine:
             del self._groups[seq.request_id]
 
     def shutdown(self) -> None:
-        if self.offload is not None:
-            self.offload.shutdown()
+        if self.kv_tiers is not None:
+            self.kv_tiers.shutdown()
         self.grammar.shutdown()
         self.executor.shutdown()
 

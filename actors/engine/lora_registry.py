@@ -1,6 +1,6 @@
 """The engine's LoRA adapters by name: loading, unloading once their requests end, and checking requests.
 
-Loading reads the adapter on every shard (``Executor.add_lora``); a request
+Loading reads the adapter on every shard (``AddLoRA``, through ``Executor.command``); a request
 names it in ``SamplingParams.lora``. Unloading stops new requests for the
 adapter at once and forgets it when none is queued or running and no step
 is in flight (``finish_unloads``, after each step): requests already in the
@@ -19,32 +19,30 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from actors.api import LoRAInfo
+from actors.commands import AddLoRA, PrepareLoRAs, RemoveLoRA
 from actors.config import EngineConfig
 from actors.engine.executor import Executor
-from actors.runner.lora_manager import LoRAInfo
+from actors.errors import LoRAUnloadingError
 from scheduling.batch import Batch
 from scheduling.errors import InvalidParameterError
 from scheduling.lora_slots import is_lora_namespace
+from scheduling.policy import BatchPolicy
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams, check_lora_name
-from scheduling.scheduler import Scheduler
 
 
 class UnknownLoRAError(InvalidParameterError):
     """A request or an unload named an adapter this engine does not serve (the API answers 404)."""
 
 
-class LoRAUnloadingError(InvalidParameterError):
-    """A load named an adapter still being unloaded for requests that use it: retry once they have ended."""
-
-
 class LoRARegistry:
     """Adapters of one engine; ``enabled`` mirrors ``EngineConfig.enable_lora``."""
 
-    def __init__(self, config: EngineConfig, executor: Executor, scheduler: Scheduler) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, policy: BatchPolicy) -> None:
         self.enabled = config.enable_lora
         self.executor = executor
-        self.scheduler = scheduler
+        self.policy = policy
         self.adapters: dict[str, LoRAInfo] = {}
         self.keys: dict[str, str] = {}  # adapter -> the digest of its files, what its cached KV is keyed by
         self.unloading: set[str] = set()
@@ -68,7 +66,7 @@ class LoRARegistry:
         if not isinstance(path, str) or not path:
             raise InvalidParameterError("lora_path", f"must be a folder path, got {path!r}")
         start = time.perf_counter()
-        info = self.executor.add_lora(name, path)  # the shards digest the files they read (``info.key``)
+        info = self.executor.command(AddLoRA(name, path))  # the shards digest the files they read (``info.key``)
         self.load_seconds[name] = time.perf_counter() - start
         self.adapters[name] = info
         self.keys[name] = info.key
@@ -100,7 +98,7 @@ class LoRARegistry:
 
     def planned(self, batch: Batch, requests: list[Request]) -> None:
         """``batch`` (planned for ``requests``) is the step now in flight."""
-        loads = {n for _, n in batch.lora_loads or ()}
+        loads = {n for _, n in batch.lora.loads or ()}
         self._in_step = frozenset({r.params.lora for r in requests if r.params.lora is not None} | loads)
 
     def finish_unloads(self) -> None:
@@ -112,14 +110,14 @@ class LoRARegistry:
         """No queued or running request uses ``name``, and no step is in flight, or (``with_step_in_flight``:
         the caller runs between forwards, as ``add`` does on the engine's thread) the step in flight does
         not read it."""
-        if self.scheduler.uses_lora(name):
+        if self.policy.uses_lora(name):
             return False
-        return not self.scheduler.has_step_in_flight or (with_step_in_flight and name not in self._in_step)
+        return not self.policy.has_step_in_flight or (with_step_in_flight and name not in self._in_step)
 
     def _forget(self, name: str) -> None:
-        if self.scheduler.lora is not None:
-            self.scheduler.lora.forget(name)
-        self.executor.remove_lora(name)
+        if self.policy.lora is not None:
+            self.policy.lora.forget(name)
+        self.executor.command(RemoveLoRA(name))
         del self.adapters[name]
         self.unloading.discard(name)
         self._drop_cached(self.keys.pop(name))
@@ -128,7 +126,7 @@ class LoRARegistry:
         # A forgotten adapter's KV is never served again: the same name may come back with other weights
         # (then under another key, so the tiers' blocks are out of reach too), and its pages serve no one
         # meanwhile. Kept while another loaded name has the same weights: their requests may read them.
-        cache = self.scheduler.cache
+        cache = self.policy.cache
         if cache is not None and key not in self.keys.values():
             cache.evict_namespaces(lambda ns: is_lora_namespace(ns, key))
 
@@ -139,16 +137,16 @@ class LoRARegistry:
         again here, not in the forward, so a folder gone bad fails that
         adapter's requests (``LLMEngine``), not the whole step.
         """
-        assert batch.lora_loads, "only a step that writes adapters into slots has loads to prepare"
-        return self.executor.prepare_loras(list(dict.fromkeys(name for _, name in batch.lora_loads)))
+        assert batch.lora.loads, "only a step that writes adapters into slots has loads to prepare"
+        return self.executor.command(PrepareLoRAs(tuple(dict.fromkeys(name for _, name in batch.lora.loads))))
 
     def unassign(self, name: str) -> None:
         """``name`` was not written into the slot it was given (its requests have ended): free the slot,
         so that its next request loads it again rather than reading the slot's stale weights."""
-        if self.scheduler.lora is not None:
-            self.scheduler.lora.forget(name)
+        if self.policy.lora is not None:
+            self.policy.lora.forget(name)
 
     def shards_restarted(self) -> None:
         """The shards were rebuilt with empty LoRA slots: every adapter must be written again when used."""
-        if self.scheduler.lora is not None:
-            self.scheduler.lora.reset()
+        if self.policy.lora is not None:
+            self.policy.lora.reset()

@@ -1,10 +1,10 @@
-"""Stats and latency bookkeeping for the scheduler actor.
+"""Taking the scheduler actor's stats: ``snapshot`` reads an engine into an ``EngineStats``.
 
-``LatencyWindow`` keeps the most recent TTFT and TPOT samples in a bounded
-deque, so percentiles describe current load (not the whole uptime) and
-memory stays flat however long the replica runs. ``EngineStats`` is the
-small typed snapshot ``SchedulerActor.stats()`` returns; its memory figures
-are read in the process that calls ``snapshot`` (the one holding the model).
+``EngineStats`` (the small typed snapshot ``SchedulerActor.stats()``
+returns) and ``LatencyWindow`` (the bounded window of recent TTFT and TPOT
+samples, so percentiles describe current load, not the whole uptime) cross
+to the replica and live in ``actors.api``. The memory figures are read in
+the process that calls ``snapshot`` (the one holding the model).
 """
 
 from __future__ import annotations
@@ -13,135 +13,14 @@ import os
 import resource
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.engine.outputs import SequenceDelta
+from actors.api import EngineStats, LatencyWindow
 
 if TYPE_CHECKING:
     from actors.engine.llm_engine import LLMEngine
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by linear interpolation; 0.0 when empty."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-class LatencyWindow:
-    """TTFT and TPOT samples (seconds) of recently finished sequences: the one latency view.
-
-    Every figure comes from the sequence's ``SequenceTiming`` (its ``ttft_s``
-    and ``tpot_s``, the one definition), so the scheduler actor's window, the
-    replica's and the Prometheus histograms (``cluster.metrics``) agree on
-    what TTFT and TPOT mean. Only sequences that ended normally ("stop" or
-    "length") count: an aborted or failed one would skew the latency a
-    healthy request sees. The window keeps the last ``size`` samples and,
-    with ``max_age_s``, only those observed in the last ``max_age_s``
-    seconds (``now`` is the caller's monotonic clock).
-    """
-
-    def __init__(self, size: int = 1024, max_age_s: float | None = None) -> None:
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
-        self.max_age_s = max_age_s
-        self._samples: deque[tuple[float, float | None, float | None]] = deque(maxlen=size)
-
-    def observe(self, deltas: list[SequenceDelta], now: float | None = None) -> None:
-        """Record the timings carried by finishing deltas (others carry none)."""
-        for d in deltas:
-            t = d.timing
-            if t is not None and d.finish_reason in ("stop", "length"):
-                self._samples.append((time.monotonic() if now is None else now, t.ttft_s, t.tpot_s))
-
-    def ms(self, which: str, q: float, now: float | None = None) -> float:
-        """Percentile ``q`` of ``"ttft"`` or ``"tpot"`` in milliseconds; 0.0 with no sample."""
-        if self.max_age_s is not None:
-            oldest = (time.monotonic() if now is None else now) - self.max_age_s
-            while self._samples and self._samples[0][0] < oldest:
-                self._samples.popleft()
-        column = 1 if which == "ttft" else 2
-        values = [v for sample in self._samples if (v := sample[column]) is not None]
-        return round(percentile(values, q) * 1000.0, 3)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of one replica's engine.
-
-    KV accounting: every page is exactly one of free, cached (held only by
-    the prefix cache: ``num_kv_pages_evictable`` of them can be reclaimed at
-    once, ``num_kv_pages_locked`` are pinned by running requests' matched
-    prefixes) or owned by running requests. With no request in flight,
-    ``num_kv_pages_free + num_kv_pages_evictable == num_kv_pages_total``.
-    """
-
-    num_waiting: int
-    num_running: int
-    num_unfinished_requests: int
-    num_kv_pages_total: int
-    num_kv_pages_free: int
-    num_kv_pages_used: int
-    num_kv_pages_evictable: int
-    num_kv_pages_locked: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_steps: int
-    ttft_ms_p50: float
-    ttft_ms_p95: float
-    tpot_ms_p50: float
-    tpot_ms_p95: float
-    # Cumulative prompt tokens looked up in / found in the prefix cache (first admission only).
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
-    # The snapshotting process: resident set now and at its peak, the memory it
-    # may use (cgroup limit or physical RAM, whichever is lower), CPU seconds used.
-    memory_used_bytes: int = 0
-    memory_peak_bytes: int = 0
-    memory_limit_bytes: int = 0
-    cpu_seconds_total: float = 0.0
-    # Seconds the engine spent in forwards (``LLMEngine.forward_seconds_total``); per step, with num_steps.
-    forward_seconds_total: float = 0.0
-    # The device this process drives (None without CUDA): memory in use on it
-    # (by every process), its size, and its utilisation over the last sample period.
-    gpu_memory_used_bytes: int | None = None
-    gpu_memory_total_bytes: int | None = None
-    gpu_utilization_perc: float | None = None
-    # time.time() when taken, so a reader can turn cpu_seconds_total into a rate.
-    wall_time: float = 0.0
-    # Speculative decoding, cumulative (``SchedulerStats.record_draft``; all zero without it):
-    # drafts verified, draft tokens proposed and accepted, and per draft position i the
-    # drafts whose token i was accepted. A tuple, so the frozen snapshot shares no list.
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
-    # Structured output, cumulative: requests by constraint kind, seconds of the step spent on masks,
-    # constraints compiled and the durations of the most recent compiles (``GrammarCompiler.compile_seconds``).
-    structured_output_requests: tuple[tuple[str, int], ...] = ()
-    structured_output_step_seconds: float = 0.0
-    grammar_compiles_total: int = 0
-    grammar_compile_seconds_recent: tuple[float, ...] = ()
-    # Prompt tokens the waiting requests still have to compute (prefill load; P/D's prefill pool scales on it).
-    num_waiting_prompt_tokens: int = 0
-    # LoRA (``actors.engine.lora_registry``): per loaded adapter, requests admitted (cumulative) and
-    # seconds its load took; adapters in the engine now (loaded, not unloading).
-    lora_requests: tuple[tuple[str, int], ...] = ()
-    lora_load_seconds: tuple[tuple[str, float], ...] = ()
-    lora_adapters: tuple[str, ...] = ()
-    # KV tiers (``actors.engine.kv_offload``; empty when off): per tier (host, disk, cluster, and the
-    # engine's own counts) its cumulative counters and holdings (``kvcache.kv_tiers.TierStats``).
-    kv_tiers: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
-    # Mixture of experts (``Executor.expert_tokens``; empty for a dense model or when unread): per MoE layer,
-    # in layer order, per expert, the tokens routed to it since the model loaded (each token counts top_k times).
-    moe_expert_tokens: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +97,10 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow,
              moe_expert_tokens: tuple[tuple[int, ...], ...] = ()) -> EngineStats:
     """Read an engine's counters; call it where no step is half-applied (the actor's loop).
 
-    ``moe_expert_tokens`` is ``engine.executor.expert_tokens()``, read by the
+    ``moe_expert_tokens`` is ``engine.executor.command(ReadExpertTokens())``, read by the
     caller where waiting for the device does not hold up the engine's loop.
     """
-    sched, alloc, cache = engine.scheduler, engine.allocator, engine.scheduler.cache
+    sched, alloc, cache = engine.policy, engine.allocator, engine.policy.cache
     total, free = alloc.num_pages, alloc.num_free_pages
     mem = memory_usage()
     num_compiles, compile_seconds = engine.grammar.compile_seconds()
@@ -258,13 +137,13 @@ def snapshot(engine: LLMEngine, latency: LatencyWindow,
         spec_decode_num_accepted_tokens_per_pos=tuple(sched.stats.spec_num_accepted_tokens_per_pos),
         structured_output_requests=tuple(sorted(engine.constrained_requests.items())),
         num_waiting_prompt_tokens=sum(
-            r.num_prompt_tokens - r.num_computed_tokens for r in sched.waiting if r.kv_import is None),
+            r.num_prompt_tokens - r.num_computed_tokens for r in sched.waiting if r.kv_moves.imported is None),
         structured_output_step_seconds=round(engine.grammar_seconds_total, 6),
         lora_requests=tuple(sorted(engine.loras.requests.items())),
         lora_load_seconds=tuple(sorted((n, round(s, 6)) for n, s in engine.loras.load_seconds.items())),
         lora_adapters=tuple(sorted(engine.loras.serving())),
         grammar_compiles_total=num_compiles,
         grammar_compile_seconds_recent=compile_seconds,
-        kv_tiers=engine.offload.stats() if engine.offload is not None else (),
+        kv_tiers=engine.kv_tiers.stats() if engine.kv_tiers is not None else (),
         moe_expert_tokens=moe_expert_tokens,
     )

@@ -83,7 +83,7 @@ class GrammarStates:
 
     def masks(self, batch: Batch, seq_ids: list[str]) -> TokenMasks | None:
         """Masks for ``batch``'s constrained sampled rows; ``seq_ids`` align with ``batch.sample_indices``."""
-        drafts = batch.draft_token_ids
+        drafts = batch.drafts.token_ids
         plan: list[tuple[_Constrained, int, list[int], int]] = []  # sequence, first row, drafts, tokens left
         row = num_rows = 0
         for j, sid in enumerate(seq_ids):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.load.model_cache import build_once, models_dir, update_json
+from actors.tokenizing import bytes_to_unicode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -155,19 +156,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE,
         model_max_length=4096,
     )
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 def _write_model(name: str, folder: Path) -> None:

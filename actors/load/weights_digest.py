@@ -6,7 +6,7 @@ adapter unloaded and loaded again from another folder, two apps on one
 cluster with an adapter of the same name, a fine-tune copied over the old
 files at the same path would each meet KV of other weights. So the radix
 cache's adapter namespaces (``scheduling.lora_slots.cache_namespace``) and
-the tiers' block keys (``actors.engine.kv_offload.model_identity``) name
+the tiers' block keys (``actors.engine.kv_tiers.model_identity``) name
 weights by the SHA-256 of their files (``adapter_digest``, ``model_digest``).
 
 Hashing runs at about a second per gigabyte, so each file's digest is cached

@@ -280,7 +280,7 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def expert_tokens(self) -> torch.Tensor | None:
         """Routing choices per MoE layer (in layer order) per expert since load: int64 (layers, experts), on the
         device; None if dense. Per layer, not summed: each layer's experts are its own, so a hot expert shows
-        only against its layer's others (``ModelRunner.expert_tokens`` reads it for the metrics)."""
+        only against its layer's others (``ReadExpertTokens`` reads it for the metrics)."""
         blocks = self.moe_blocks()
         if not blocks:
             return None

@@ -16,12 +16,20 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.commands import (
+    AddLoRA,
+    Command,
+    PrepareLoRAs,
+    ReadExpertTokens,
+    RemoveLoRA,
+    UnhandledCommandError,
+)
 from actors.config import EngineConfig
 from actors.engine.executor import EXPERT_TOKENS_TIMEOUT_S, Executor, with_rank_exports
 from actors.errors import ExecutorFailure
@@ -29,11 +37,12 @@ from actors.log import get_logger
 from actors.remote.shard_actor import ModelShardActor, ShardConfigError, ShardInfo
 from actors.remote.shard_groups import group_name, reap_orphans
 from actors.remote.step_channel import StepChannelError, StepClient, new_key
-from actors.runner.lora_manager import LoRAInfo
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
+
+R = TypeVar("R")
 
 # Ray actors are created from the plain class here, so shard_actor.py stays
 # importable (and testable) without a cluster.
@@ -107,7 +116,7 @@ class RayExecutor(Executor):
             raise ExecutorFailure(f"step {batch.step}: {err}") from err
         out = outputs[0]
         assert isinstance(out, StepOutput), f"rank 0 returned {type(out).__name__}"
-        return with_rank_exports(out, outputs) if batch.kv_exports or batch.kv_saves else out
+        return with_rank_exports(out, outputs) if batch.kv_moves.exports or batch.kv_moves.saves else out
 
     def restart(self) -> None:
         """Kill what is left, then build a fresh group (new port, empty KV pools and LoRA slots).
@@ -119,19 +128,29 @@ class RayExecutor(Executor):
         self.shutdown()
         self._start(replace(self.config, num_kv_pages=self.capacity.num_pages))
         for name, path in self._loras.items():
-            self._add_lora_on_shards(name, path)
+            self._on_every_shard(AddLoRA(name, path))
 
-    def add_lora(self, name: str, path: str) -> LoRAInfo:
-        info = self._add_lora_on_shards(name, path)
-        self._loras[name] = path
-        return info
+    def command(self, cmd: Command[R]) -> R:
+        """One call per rank, rank 0's answer (``_on_every_shard``), save for the two verbs with rules of their own.
 
-    def remove_lora(self, name: str) -> None:
-        self._loras.pop(name, None)
-        if self._shards:
-            self._gather([s.remove_lora.remote(name) for s in self._shards], self.start_timeout_s, "remove_lora")
+        ``ReadExpertTokens`` asks rank 0 alone, and ``PrepareLoRAs`` fails
+        adapters rather than the group (their methods say how). The adapters
+        registered are kept here too, for ``restart()`` to register again.
+        """
+        if isinstance(cmd, ReadExpertTokens):
+            return cast(R, self._read_expert_tokens())
+        if isinstance(cmd, PrepareLoRAs):
+            return cast(R, self._prepare_loras(cmd))
+        if isinstance(cmd, RemoveLoRA):
+            self._loras.pop(cmd.name, None)
+            if not self._shards:  # the group is down: restart() registers only what is still listed
+                return cast(R, None)
+        result = self._on_every_shard(cmd)
+        if isinstance(cmd, AddLoRA):
+            self._loras[cmd.name] = cmd.path
+        return result
 
-    def prepare_loras(self, names: list[str]) -> dict[str, str]:
+    def _prepare_loras(self, cmd: PrepareLoRAs) -> dict[str, str]:
         """Every shard reads what it lacks; an adapter that failed on any shard failed.
 
         Only a dead shard is an ``ExecutorFailure``: a read that raised, or
@@ -141,7 +160,8 @@ class RayExecutor(Executor):
         """
         if not self._shards:
             raise ExecutorFailure("the shard group is down after a failure; call restart() first")
-        refs = [s.prepare_loras.remote(names) for s in self._shards]
+        names = list(cmd.names)
+        refs = [s.command.remote(cmd) for s in self._shards]
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
         failed: dict[str, str] = {}
         if pending:
@@ -157,12 +177,12 @@ class RayExecutor(Executor):
                 result = dict.fromkeys(names, "its files could not be read")
             except Exception as err:  # noqa: BLE001 - the shard died (or Ray lost it): the group is down
                 self.shutdown()
-                raise ExecutorFailure(f"prepare_loras: shard rank {rank} failed: {type(err).__name__}: "
+                raise ExecutorFailure(f"PrepareLoRAs: shard rank {rank} failed: {type(err).__name__}: "
                                       f"{_first_line(err)}") from err  # fmt: skip
             failed = {**result, **failed}  # a rank's own reason, else the first one given
         return failed
 
-    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+    def _read_expert_tokens(self) -> tuple[tuple[int, ...], ...]:
         """Rank 0's counts: every rank routes every token (``SparseMoE``), so they are the model's.
 
         () while the group is down or rank 0 does not answer in time; a
@@ -172,24 +192,29 @@ class RayExecutor(Executor):
         if not shards or not self.num_moe_layers:  # a dense model: no call to make
             return ()
         try:
-            counts: tuple[tuple[int, ...], ...] = ray.get(shards[0].expert_tokens.remote(),
+            counts: tuple[tuple[int, ...], ...] = ray.get(shards[0].command.remote(ReadExpertTokens()),
                                                           timeout=EXPERT_TOKENS_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a dead or busy shard: no counts this time
             return ()
         return counts
 
-    def _add_lora_on_shards(self, name: str, path: str) -> LoRAInfo:
-        """Every shard reads its share; one refusal removes it from the others and raises (the group stays up)."""
+    def _on_every_shard(self, cmd: Command[R]) -> R:
+        """Every rank runs ``cmd``; rank 0's answer. A refusal on any rank is undone on every rank
+        (``Command.undo``: an adapter one rank refused is removed from the others) and raised as
+        ``InvalidParameterError`` (or ``UnhandledCommandError``, a command no handler knows); the group
+        stays up. A rank that fails or is late tears it down (``_gather``)."""
         if not self._shards:
             raise ExecutorFailure("the shard group is down after a failure; call restart() first")
-        results = self._gather([s.add_lora.remote(name, path) for s in self._shards], self.start_timeout_s, "add_lora")
-        refused = [r for r in results if isinstance(r, ShardConfigError)]
+        what = type(cmd).__name__
+        results = self._gather([s.command.remote(cmd) for s in self._shards], self.start_timeout_s, what)
+        refused = [r for r in results if isinstance(r, (ShardConfigError, UnhandledCommandError))]
         if refused:
-            self._gather([s.remove_lora.remote(name) for s in self._shards], self.start_timeout_s, "remove_lora")
-            raise InvalidParameterError(refused[0].param, refused[0].message)
-        info = results[0]
-        assert isinstance(info, LoRAInfo), type(info)
-        return info
+            undo = cmd.undo()
+            if undo is not None:
+                self._gather([s.command.remote(undo) for s in self._shards], self.start_timeout_s, type(undo).__name__)
+            first = refused[0]
+            raise first if isinstance(first, UnhandledCommandError) else InvalidParameterError(first.param, first.message)
+        return cast(R, results[0])
 
     def shutdown(self) -> None:
         """Kill every shard and remove the placement group (idempotent)."""
@@ -211,7 +236,7 @@ class RayExecutor(Executor):
         self._pg = self._place()
         for rank in range(self.world_size):
             options: dict[str, Any] = {
-                # serve_steps() holds one thread for the group's life; ping() and expert_tokens() share another.
+                # serve_steps() holds one thread for the group's life; ping() and command() share another.
                 "max_concurrency": 2,
                 "num_cpus": 0 if self._on_cuda else 1,
                 "num_gpus": 1 if self._on_cuda else 0,

@@ -25,7 +25,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+from actors.commands import Command, UnhandledCommandError
 from actors.config import EngineConfig
 from actors.remote.cpu_threads import call_on_new_thread, ray_reserved_cpus, set_cpu_threads
 from actors.remote.distributed import (
@@ -36,16 +38,17 @@ from actors.remote.distributed import (
     node_ip,
 )
 from actors.remote.step_channel import ChannelAddress, StepServer
-from actors.runner.lora_manager import LoRAInfo
 from actors.runner.model_runner import ModelRunner
 from kvcache.kv_pool import KVCapacity
 from kvcache.kv_transfer import KVLayout
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
+R = TypeVar("R")
+
 
 class ShardConfigError(Exception):
-    """A user error (``InvalidParameterError``) raised while a shard started.
+    """A user error (``InvalidParameterError``) raised while a shard started, or ran a command.
 
     It crosses the Ray boundary in this form because ``InvalidParameterError``
     does not unpickle (its ``__init__`` takes two arguments, ``args`` holds
@@ -125,31 +128,22 @@ class ModelShardActor:
         if runner is None:
             raise RuntimeError(f"shard rank {self.rank} executed before start()")
         out = runner.execute(batch)
-        return out if self.rank == 0 or batch.kv_exports or batch.kv_saves else None
+        return out if self.rank == 0 or batch.kv_moves.exports or batch.kv_moves.saves else None
 
-    def add_lora(self, name: str, path: str) -> LoRAInfo | ShardConfigError:
-        """Register a LoRA adapter; a refusal comes back as a value, so the group stays up."""
+    def command(self, cmd: Command[R]) -> R | ShardConfigError | UnhandledCommandError:
+        """Run a control command on this rank (``ModelRunner.command``); a refusal (``InvalidParameterError``)
+        or a command the runner has no handler for comes back as a value, so the group stays up.
+
+        ``ReadExpertTokens`` arrives on the actor's second thread, beside
+        ``serve_steps``; before start() a command gets ``Command.unserved``.
+        """
         runner = self._runner
-        if runner is None:
-            raise RuntimeError(f"shard rank {self.rank}: add_lora() before start()")
         try:
-            return runner.add_lora(name, path)
+            return cmd.unserved(f"shard rank {self.rank} (not started)") if runner is None else runner.command(cmd)
         except InvalidParameterError as err:
             return ShardConfigError(err.param, err.message)
-
-    def remove_lora(self, name: str) -> None:
-        if self._runner is not None:
-            self._runner.remove_lora(name)
-
-    def prepare_loras(self, names: list[str]) -> dict[str, str]:
-        """Read the next step's adapter loads (``ModelRunner.prepare_loras``); a failure is a value, per adapter."""
-        if self._runner is None:
-            raise RuntimeError(f"shard rank {self.rank}: prepare_loras() before start()")
-        return self._runner.prepare_loras(names)
-
-    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
-        """This rank's expert counts (``ModelRunner.expert_tokens``), read beside ``serve_steps``; () before start()."""
-        return () if self._runner is None else self._runner.expert_tokens()
+        except UnhandledCommandError as err:
+            return err
 
     def open_channel(self, key: bytes) -> ChannelAddress:
         """Listen for the executor's step channel on this node; ``key`` authenticates it."""

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from actors.api import LoRAInfo
 from actors.load.lora_adapter import (
     LORA_TARGETS,
     LoRAAdapter,
@@ -50,17 +51,6 @@ CHANGED = "its files changed since it was loaded (unload and load it again to se
 
 class AdapterFilesChanged(InvalidParameterError):
     """A registered adapter's files, read again after an eviction, are not those it was loaded from."""
-
-
-@dataclass(frozen=True)
-class LoRAInfo:
-    """What ``add`` reports about an adapter (the API lists it)."""
-
-    name: str
-    path: str
-    rank: int
-    targets: tuple[str, ...]
-    key: str  # the digest of the files read (``actors.load.weights_digest``): what its cached KV is keyed by
 
 
 class LoRAManager:
@@ -180,10 +170,10 @@ class LoRAManager:
             self.slot_names[slot] = name
 
     def begin_step(self, batch: Batch) -> None:
-        """Set the step's token grouping from ``batch.lora_slots`` (cleared when it has none)."""
-        if batch.lora_loads:
-            self.load_slots(batch.lora_loads)
-        slots = batch.lora_slots
+        """Set the step's token grouping from ``batch.lora.slots`` (cleared when it has none)."""
+        if batch.lora.loads:
+            self.load_slots(batch.lora.loads)
+        slots = batch.lora.slots
         if slots is None:
             self.context.step = None
             return

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from actors.api import LoRAInfo
+from actors.commands import AddLoRA, Command, Handlers, PrepareLoRAs, ReadExpertTokens, RemoveLoRA
 from actors.config import EngineConfig
 from actors.load.loader import load_model
 from actors.log import get_logger
 from actors.models.layers import ParallelLinear
 from actors.runner.decode_graphs import DecodeGraphs, moe_graphs_allowed
 from actors.runner.draft_runner import DraftRunner
-from actors.runner.lora_manager import LoRAInfo, LoRAManager
+from actors.runner.lora_manager import LoRAManager
 from actors.runner.sampler import SampledRows, Sampler
 from actors.runner.spec_verify import count_accepted, expand_sampling, sample_rows
 from kvcache import device_copy
@@ -40,6 +43,10 @@ from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
+
+R = TypeVar("R")
+# What ``ModelRunner.command`` runs, by command type: a new verb is one handler filed here (``actors.commands``).
+_HANDLERS: Handlers[ModelRunner] = Handlers("ModelRunner")
 
 
 def make_attention_backend(
@@ -197,7 +204,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=config.seed)
         self.drafter = make_drafter(config, self, rank=rank, world_size=world_size)
-        # The expert-load counters are read on a stream of their own (expert_tokens); None: no MoE layer or no CUDA.
+        # The expert-load counters are read on a stream of their own (ReadExpertTokens); None: no MoE layer or no CUDA.
         moe_blocks = m.moe_blocks()
         self.num_moe_layers = len(moe_blocks)
         self._counts_stream = torch.cuda.Stream(self.device) if moe_blocks and self.device.type == "cuda" else None
@@ -216,21 +223,30 @@ class ModelRunner:
     def num_pages(self) -> int:
         return self.capacity.num_pages
 
-    def add_lora(self, name: str, path: str) -> LoRAInfo:
+    def command(self, cmd: Command[R]) -> R:
+        """Run a control command (``actors.commands``) on this rank; one it has no handler for raises
+        ``UnhandledCommandError`` naming it."""
+        return _HANDLERS.run(self, cmd)
+
+    @_HANDLERS.on(AddLoRA)
+    def _add_lora(self, cmd: AddLoRA) -> LoRAInfo:
         """Register a LoRA adapter (read and checked against this shard; ``enable_lora`` only)."""
         if self.lora is None:
             raise InvalidParameterError("enable_lora", "this engine was started without LoRA (enable_lora=False)")
-        return self.lora.add(name, path)
+        return self.lora.add(cmd.name, cmd.path)
 
-    def remove_lora(self, name: str) -> None:
+    @_HANDLERS.on(RemoveLoRA)
+    def _remove_lora(self, cmd: RemoveLoRA) -> None:
         if self.lora is not None:
-            self.lora.remove(name)
+            self.lora.remove(cmd.name)
 
-    def prepare_loras(self, names: list[str]) -> dict[str, str]:
+    @_HANDLERS.on(PrepareLoRAs)
+    def _prepare_loras(self, cmd: PrepareLoRAs) -> dict[str, str]:
         """Read the next step's adapter loads now, outside the step (``LoRAManager.prepare``); adapter -> failure."""
-        return {} if self.lora is None else self.lora.prepare(names)
+        return {} if self.lora is None else self.lora.prepare(list(cmd.names))
 
-    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+    @_HANDLERS.on(ReadExpertTokens)
+    def _read_expert_tokens(self, cmd: ReadExpertTokens) -> tuple[tuple[int, ...], ...]:
         """Per MoE layer (in layer order), per expert, the tokens routed to it since load; () for a dense model.
 
         For the metrics, from any thread, beside a running step and never in
@@ -257,22 +273,22 @@ class ModelRunner:
         ``kv_exports``).
 
         KV transfer (prefill/decode disaggregation, ``kvcache.kv_transfer``):
-        ``batch.kv_imports`` are written into this rank's pool before the
+        ``batch.kv_moves.imports`` are written into this rank's pool before the
         forward (this rank's payload of each); after it, the pages each
-        ``batch.kv_exports`` entry names are read back into
+        ``batch.kv_moves.exports`` entry names are read back into
         ``StepOutput.kv_exports`` on every rank (rank r's pool holds its share
         of the heads), in the same read as the sampled tokens. Only the
         target model's pool moves: a draft model's own pool
         (``speculative_config`` with a draft model) would get nothing, so
         the engine refuses prefilled requests there
-        (``actors.engine.disaggregation.check_decode_drafting``); a self-draft shares the
+        (``actors.api.check_decode_drafting``); a self-draft shares the
         target's pages and sees them.
         """
         # KV tiers: the pages to save are read first, before the imports and the forward write the pool
         # (a page queued for saving may be among those the step fills again).
-        saves = self.pool.gather_pages(batch.kv_saves) if batch.kv_saves else None
-        if batch.kv_imports:
-            self._import_kv(batch.kv_imports)
+        saves = self.pool.gather_pages(batch.kv_moves.saves) if batch.kv_moves.saves else None
+        if batch.kv_moves.imports:
+            self._import_kv(batch.kv_moves.imports)
         if not batch.num_seqs:  # a step that only saves pages (the engine had nothing else to run)
             assert saves is not None, "a step with no sequence and nothing to save"
             return StepOutput([], [], kv_saves=self.pool.payload(device_copy.to_host(saves)))
@@ -304,7 +320,7 @@ class ModelRunner:
         is queued without waiting for the device; that read
         (``device_copy.to_host``) is the step's one wait (drafting, after it,
         waits again: ``DraftRunner.propose``). The pooled rows of embedding
-        requests (``batch.pool_indices``) join that read, on rank 0 only:
+        requests (``batch.pooling.indices``) join that read, on rank 0 only:
         after the last all-reduce every rank holds the whole hidden states.
         A step whose only tokens are one per sequence is decode-only even when
         one of them is an embedding request's last prompt token (a 1-token
@@ -324,7 +340,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.attn)
         if self.drafter is not None:
             self.drafter.catch_up(input_ids, positions, layout)
-        pooled = _pool_rows(batch, hidden) if batch.pool_indices is not None and self.rank == 0 else None
+        pooled = _pool_rows(batch, hidden) if batch.pooling.indices is not None and self.rank == 0 else None
         sampled: SampledRows | None = None
         if batch.sample_indices:
             if batch.is_decode_only and len(batch.sample_indices) == batch.num_seqs:
@@ -338,7 +354,7 @@ class ModelRunner:
                 # on every rank would only burn time and advance seeded generators.
                 sampled = self._sample(batch, logits)
         # Every rank exports its own share of the heads of each page.
-        exports = [self.pool.gather_pages(pages) for _, pages in batch.kv_exports or []]
+        exports = [self.pool.gather_pages(pages) for _, pages in batch.kv_moves.exports or []]
         reads = ([] if sampled is None else sampled.tensors()) + [t for g in exports for t in g] + (saves or [])
         if pooled is not None:
             reads.append(pooled)
@@ -350,9 +366,9 @@ class ModelRunner:
             num_sampled = len(sampled.tensors())
             out = sampled.output(host[:num_sampled])
             host = host[num_sampled:]
-            if batch.draft_token_ids is not None:
-                out = replace(out, num_accepted=count_accepted(out.token_ids, batch.draft_token_ids))
-        if batch.kv_exports:
+            if batch.drafts.token_ids is not None:
+                out = replace(out, num_accepted=count_accepted(out.token_ids, batch.drafts.token_ids))
+        if batch.kv_moves.exports:
             payloads = []
             for gathered in exports:
                 payloads.append(self.pool.payload(host[: len(gathered)]))
@@ -362,13 +378,13 @@ class ModelRunner:
             out = replace(out, kv_saves=self.pool.payload(host[: len(saves)]))
         if pooled is not None:
             out = replace(out, pooled=pooled)
-        if batch.num_propose is None or not batch.sample_indices:
+        if batch.drafts.num_propose is None or not batch.sample_indices:
             return out
         return self._propose(batch, out)
 
     def _sample(self, batch: Batch, logits: torch.Tensor) -> SampledRows:
         """One token per sampled row, on the device (with drafts: a row per drafted position too)."""
-        if batch.draft_token_ids is None:
+        if batch.drafts.token_ids is None:
             return self.sampler.sample_on_device(
                 logits, batch.sampling_params, batch.num_output_tokens,
                 batch.prompt_token_ids, batch.output_token_ids, batch.token_masks,
@@ -376,9 +392,9 @@ class ModelRunner:
         return self.sampler.sample_on_device(logits, *expand_sampling(batch), batch.token_masks)
 
     def _propose(self, batch: Batch, out: StepOutput) -> StepOutput:
-        """Drafts for each sampled sequence's next step, from its new last token (``batch.num_propose``)."""
-        assert self.drafter is not None and batch.num_propose is not None
-        drafts = batch.draft_token_ids or [[] for _ in batch.sample_indices]
+        """Drafts for each sampled sequence's next step, from its new last token (``batch.drafts.num_propose``)."""
+        assert self.drafter is not None and batch.drafts.num_propose is not None
+        drafts = batch.drafts.token_ids or [[] for _ in batch.sample_indices]
         accepted = out.num_accepted or [0] * len(drafts)
         last: list[int] = []
         if self.rank == 0:
@@ -395,23 +411,23 @@ class ModelRunner:
             # The new last token follows the kept drafts: context - (drafts rejected).
             positions.append(batch.context_lens[i] - len(drafts[j]) + accepted[j])
             tables.append(batch.page_tables[i])
-        proposals = self.drafter.propose(last, positions, tables, batch.num_propose)
+        proposals = self.drafter.propose(last, positions, tables, batch.drafts.num_propose)
         return replace(out, draft_token_ids=proposals) if self.rank == 0 else out
 
 
 def _pool_rows(batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
-    """Per pooled sequence (``batch.pool_indices``), on the device: the float32 sum of its hidden rows of
-    this step (``pool_means``) or its last row (a chunk that ends its prompt), as one (k, hidden) tensor.
+    """Per pooled sequence (``batch.pooling.indices``), on the device: the float32 sum of its hidden rows of
+    this step (``batch.pooling.means``) or its last row (a chunk that ends its prompt), as one (k, hidden) tensor.
 
     Summed in float32 whatever the model dtype (``sum(dtype=)`` casts as it reduces, with no float32 copy
     of the chunk); one reduction per sequence keeps the result independent of what else shares the step.
     """
-    assert batch.pool_indices is not None and batch.pool_means is not None
+    assert batch.pooling.indices is not None and batch.pooling.means is not None
     starts = [0]
     for q in batch.query_lens:
         starts.append(starts[-1] + q)
     rows: list[torch.Tensor] = []
-    for i, mean in zip(batch.pool_indices, batch.pool_means, strict=True):
+    for i, mean in zip(batch.pooling.indices, batch.pooling.means, strict=True):
         start, end = starts[i], starts[i + 1]
         rows.append(hidden[start:end].sum(0, dtype=torch.float32) if mean else hidden[end - 1].float())
     return torch.stack(rows)

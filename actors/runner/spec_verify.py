@@ -33,7 +33,7 @@ def sample_rows(batch: Batch) -> list[int]:
     for n in batch.query_lens:
         total += n
         ends.append(total - 1)
-    drafts = batch.draft_token_ids
+    drafts = batch.drafts.token_ids
     if drafts is None:
         return [ends[i] for i in batch.sample_indices]
     rows: list[int] = []
@@ -52,7 +52,7 @@ def expand_sampling(
     after the drafts before it: that count seeds its draw and the drafts join
     its output history for penalties.
     """
-    drafts = batch.draft_token_ids
+    drafts = batch.drafts.token_ids
     assert drafts is not None
     params: list[SamplingParams] = []
     num_out: list[int] = []

@@ -9,7 +9,7 @@ does); consumer queues and waiters are touched only on the event loop.
 
 Output channel: one ``StepMessage`` per engine step per consumer, holding all
 of that consumer's deltas; ``next_outputs`` long-polls a bounded queue of
-them (see ``actors.scheduler.step_messages``).
+them (see ``actors.scheduler.output_router``).
 """
 
 from __future__ import annotations
@@ -19,32 +19,38 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import TypeVar, cast
 
 import ray
 import torch
 
-from actors.config import EngineConfig
-from actors.engine.disaggregation import (
+from actors.api import (
+    CompletionOutput,
+    EngineStats,
+    HealthStatus,
+    LatencyWindow,
     PrefillResult,
     RankPayloadsOrRef,
-    add_prefilled,
-    start_prefill,
-    weight_quantization,
+    RequestOutput,
+    SequenceDelta,
+    StepMessage,
 )
+from actors.commands import AddLoRA, Command, ReadExpertTokens, RemoveLoRA, UnhandledCommandError
+from actors.config import EngineConfig
+from actors.engine.disaggregation import add_prefilled, start_prefill, weight_quantization
 from actors.engine.executor import EXPERT_TOKENS_TIMEOUT_S, Executor, LocalExecutor
 from actors.engine.llm_engine import LLMEngine
-from actors.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
-from actors.engine.stats import EngineStats, LatencyWindow, snapshot
+from actors.engine.stats import snapshot
 from actors.log import get_logger
 from actors.remote.cpu_threads import engine_cpu_threads, engine_thread_init
-from actors.runner.lora_manager import LoRAInfo
+from actors.scheduler.output_router import OutputRouter
 from actors.scheduler.step_loop import StepLoop
-from actors.scheduler.step_messages import HealthStatus, OutputRouter, StepMessage
 from scheduling.sampling_params import SamplingParams
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
 ExecutorFactory = Callable[[EngineConfig], Executor]
+R = TypeVar("R")
 
 
 def default_executor(config: EngineConfig) -> Executor:
@@ -190,19 +196,26 @@ class SchedulerService:
 
     async def cached_prefix_tokens(self, prompt_ids: list[int], namespace: str | None = None) -> int:
         """Prompt tokens this replica's prefix cache holds now (read-only; 0 without a cache)."""
-        cache = self._engine.scheduler.cache
+        cache = self._engine.policy.cache
         return 0 if cache is None else cache.match_prefix(prompt_ids, namespace).num_tokens
 
-    async def add_lora(self, name: str, path: str) -> LoRAInfo:
-        """Load a LoRA adapter (read on the engine thread, between forwards); refusals raise ``InvalidParameterError``."""
-        async with self._steps.lock:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._thread, self._engine.loras.add, name, path)
+    async def command(self, cmd: Command[R]) -> R:
+        """Run a control command a replica sends (``actors.commands``); the engine's bookkeeping decides what
+        reaches the executor, and any other command raises ``UnhandledCommandError`` naming it.
 
-    async def remove_lora(self, name: str) -> None:
-        """Unload an adapter once its requests have ended (``LoRARegistry.remove``)."""
-        async with self._steps.lock:
-            self._engine.loras.remove(name)
+        ``AddLoRA`` loads an adapter (``LoRARegistry.add``: read on the engine
+        thread, between forwards; refusals raise ``InvalidParameterError``);
+        ``RemoveLoRA`` unloads one once its requests have ended (``LoRARegistry.remove``).
+        """
+        if isinstance(cmd, AddLoRA):
+            async with self._steps.lock:
+                loop = asyncio.get_running_loop()
+                return cast(R, await loop.run_in_executor(self._thread, self._engine.loras.add, cmd.name, cmd.path))
+        if isinstance(cmd, RemoveLoRA):
+            async with self._steps.lock:
+                self._engine.loras.remove(cmd.name)
+            return cast(R, None)
+        raise UnhandledCommandError(type(cmd).__name__, type(self).__name__)
 
     async def loras(self) -> list[str]:
         """The adapters this engine serves now."""
@@ -228,7 +241,7 @@ class SchedulerService:
         """Route deltas under the step number last run; feed the latency window."""
         if deltas:
             self._latency.observe(deltas)
-            self._router.publish(self._engine.scheduler.stats.num_steps, deltas)
+            self._router.publish(self._engine.policy.stats.num_steps, deltas)
 
     # ------------------------------------------------------------ consumers
     def _reap_consumers(self) -> None:
@@ -251,7 +264,7 @@ class SchedulerService:
         if executor.num_moe_layers:  # a dense model has none to read: no thread hop, no call
             try:
                 experts = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
-                    None, executor.expert_tokens), EXPERT_TOKENS_TIMEOUT_S)
+                    None, executor.command, ReadExpertTokens()), EXPERT_TOKENS_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - metrics only: the rest of the snapshot still answers
                 logger.debug("expert counts unavailable", exc_info=True)
         return snapshot(self._engine, self._latency, experts)

@@ -15,18 +15,18 @@ the request. The methods mean what ``SchedulerService``'s of the same names do.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import ray
 from ray.actor import ActorHandle
 
+from actors.api import EngineStats, HealthStatus, PrefillResult, StepMessage
+from actors.commands import Command
 from actors.config import EngineConfig
-from actors.engine.disaggregation import PrefillResult
-from actors.engine.stats import EngineStats
-from actors.runner.lora_manager import LoRAInfo
 from actors.scheduler.actor import SchedulerActor
-from actors.scheduler.step_messages import HealthStatus, StepMessage
 from scheduling.sampling_params import SamplingParams
+
+R = TypeVar("R")
 
 
 class SchedulerHandle(Protocol):
@@ -44,9 +44,9 @@ class SchedulerHandle(Protocol):
 
     def abort(self, request_id: str) -> Awaitable[bool]: ...
 
-    def add_lora(self, name: str, path: str) -> Awaitable[LoRAInfo]: ...
-
-    def remove_lora(self, name: str) -> Awaitable[None]: ...
+    def command(self, cmd: Command[R]) -> Awaitable[R]:
+        """A control command for the scheduler (``AddLoRA``, ``RemoveLoRA``: ``SchedulerService.command``)."""
+        ...
 
     def loras(self) -> Awaitable[list[str]]: ...
 
@@ -97,11 +97,8 @@ class ActorScheduler:
     def abort(self, request_id: str) -> Awaitable[bool]:
         return self.actor.abort.remote(request_id)
 
-    def add_lora(self, name: str, path: str) -> Awaitable[LoRAInfo]:
-        return self.actor.add_lora.remote(name, path)
-
-    def remove_lora(self, name: str) -> Awaitable[None]:
-        return self.actor.remove_lora.remote(name)
+    def command(self, cmd: Command[R]) -> Awaitable[R]:
+        return self.actor.command.remote(cmd)
 
     def loras(self) -> Awaitable[list[str]]:
         return self.actor.loras.remote()

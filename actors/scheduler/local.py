@@ -35,14 +35,11 @@ from collections.abc import Awaitable, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from actors.api import EngineStats, HealthStatus, PrefillResult, RequestOutput, StepMessage
+from actors.commands import Command
 from actors.config import EngineConfig
-from actors.engine.disaggregation import PrefillResult
-from actors.engine.outputs import RequestOutput
-from actors.engine.stats import EngineStats
 from actors.remote.cpu_threads import ray_reserved_cpus, usable_cores
-from actors.runner.lora_manager import LoRAInfo
 from actors.scheduler.actor import SchedulerService
-from actors.scheduler.step_messages import HealthStatus, StepMessage
 from scheduling.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -85,11 +82,8 @@ class LocalScheduler:
     def abort(self, request_id: str) -> Awaitable[bool]:
         return self.run(self.service.abort(request_id))
 
-    def add_lora(self, name: str, path: str) -> Awaitable[LoRAInfo]:
-        return self.run(self.service.add_lora(name, path))
-
-    def remove_lora(self, name: str) -> Awaitable[None]:
-        return self.run(self.service.remove_lora(name))
+    def command(self, cmd: Command[T]) -> Awaitable[T]:
+        return self.run(self.service.command(cmd))
 
     def loras(self) -> Awaitable[list[str]]:
         return self.run(self.service.loras())

@@ -36,11 +36,10 @@ import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from actors.api import HealthStatus, SequenceDelta
 from actors.engine.llm_engine import LLMEngine
-from actors.engine.outputs import SequenceDelta
 from actors.errors import ExecutorFailure
 from actors.log import get_logger
-from actors.scheduler.step_messages import HealthStatus
 from scheduling.batch import Batch, StepOutput
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
@@ -71,8 +70,8 @@ class StepLoop:
         """Run the loop on the running event loop unless it runs (idempotent; restarts a task that ended)."""
         if self._task is None or self._task.done():
             loop = asyncio.get_running_loop()
-            if self.engine.offload is not None:  # a KV tier load that ends wakes a loop waiting for it
-                self.engine.offload.wake = lambda: _call_soon(loop, self.wake)
+            if self.engine.kv_tiers is not None:  # a KV tier load that ends wakes a loop waiting for it
+                self.engine.kv_tiers.wake = lambda: _call_soon(loop, self.wake)
             self._task = loop.create_task(self._run())
 
     def wake(self) -> None:
@@ -130,7 +129,7 @@ class StepLoop:
                 self._wake.clear()
                 # Requests waiting for KV tier loads: woken when one ends, or when the first one's
                 # load_wait_s runs out (a load that never ends must not hold its request for ever).
-                wait_s = None if self.engine.offload is None else self.engine.offload.seconds_to_deadline()
+                wait_s = None if self.engine.kv_tiers is None else self.engine.kv_tiers.seconds_to_deadline()
         if batch is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait_s)

@@ -27,7 +27,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from actors.engine.prompt_ids import chat_ids, template_supports_tools, text_ids
+from actors.api import chat_ids, template_supports_tools, text_ids
 
 OFFLOAD_MIN_CHARS = 2048
 T = TypeVar("T")

@@ -12,13 +12,13 @@ schema, regex or grammar compiles is the engine's to say (it raises
 from __future__ import annotations
 
 from apps.protocol.models import ChatCompletionRequest, CompletionRequest
-from apps.tools.choice import ToolMode, tool_plan
-from apps.tools.protocol import (
+from apps.protocol.tools import (
     JsonObjectFormat,
     JsonSchemaFormat,
     StructuredOutputsParams,
     TextFormat,
 )
+from apps.tools.choice import ToolMode, tool_plan
 from scheduling.errors import InvalidParameterError
 from scheduling.structured_output import StructuredOutput
 

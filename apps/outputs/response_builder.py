@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.outputs import SequenceDelta
+from actors.api import FinishReason, SequenceDelta
 from apps.inputs.kind import RequestKind
 from apps.protocol import models as p
 from apps.tools.deltas import chunk_deltas, finish_reason
@@ -45,7 +45,7 @@ class _Piece:
     text: str = ""
     entries: list[TokenLogprobs] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
-    finish: str | None = None
+    finish: FinishReason | None = None
     events: list[ToolEvent] = field(default_factory=list)  # with a tool scanner: its events (text is content)
 
 
@@ -102,10 +102,10 @@ class ResponseBuilder:
         """Record one delta of a non-streaming response."""
         self._take(self._whole[delta.index], delta)
 
-    def choices(self, finish_reasons: list[str | None]) -> list[dict[str, Any]]:
+    def choices(self, finish_reasons: list[FinishReason | None]) -> list[dict[str, Any]]:
         """Every choice of a non-streaming response, in index order."""
         if self._scanners is None:
-            return [self.shape.choice(i, piece.text, finish_reasons[i], self._logprobs(piece))
+            return [self.shape.choice(i, piece.text, finish_reason(finish_reasons[i], False), self._logprobs(piece))
                     for i, piece in enumerate(self._whole)]
         out = []
         for i, piece in enumerate(self._whole):
@@ -138,7 +138,7 @@ class ResponseBuilder:
             self._take(pieces.setdefault(d.index, _Piece()), d)
         build, wrap = self.shape.delta_choice, self.shape.chunk
         if self._scanners is None:
-            return [wrap(request_id, self.model, self.created, [build(i, pc.text, pc.finish, self._logprobs(pc))])
+            return [wrap(request_id, self.model, self.created, [build(i, pc.text, finish_reason(pc.finish, False), self._logprobs(pc))])
                     for i, pc in pieces.items() if pc.text or pc.finish or pc.entries]
         chunks: list[dict[str, Any]] = []
         for i, pc in pieces.items():

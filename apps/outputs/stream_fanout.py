@@ -5,7 +5,7 @@ Each ``LLMServer`` replica registers with its ``SchedulerActor`` under one
 loop. Every ``StepMessage`` carries all of this replica's deltas for an engine
 step; the task puts each delta on the asyncio queue of its request. So the
 replica makes at most one Ray call per engine step, however many requests
-stream at once (see ``actors.scheduler.step_messages``).
+stream at once (see ``actors.scheduler.output_router``).
 
 Protocol for a request: ``open(request_id)`` BEFORE ``submit`` (so no delta can
 arrive for an unknown request), read the queue until every sequence finished,
@@ -33,10 +33,10 @@ from ray.exceptions import ActorDiedError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from actors.engine.outputs import SequenceDelta
+from actors.api import FinishReason, SequenceDelta
 from actors.scheduler.handle import SchedulerHandle
+from apps.outputs.detached import detached
 from apps.protocol.errors import APIError
-from apps.replica.detached import detached
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class StreamFanout:
     def fail_open(self, message: str) -> None:
         """End every open request with an "error" delta (the channel broke)."""
         for rid, queue in list(self._queues.items()):
-            queue.put_nowait(SequenceDelta(rid, 0, [], "", None, "error", error=message))
+            queue.put_nowait(SequenceDelta(request_id=rid, index=0, token_ids=[], text="", logprobs=None,
+                                            finish_reason=FinishReason.ERROR, error=message))
 
     async def _run(self) -> None:
         failing_since: float | None = None  # when the current run of failed polls began
@@ -167,7 +168,7 @@ class RequestStream:
         self._cached: dict[str, int] = {}  # engine request id -> its cached prompt tokens
         self.released = False  # the HTTP layer has let go of it (and aborted it if unfinished)
         self._held: SequenceDelta | None = None  # an error/abort delta next_many() held back
-        self.finish_reasons: list[str | None] = [None] * self.n
+        self.finish_reasons: list[FinishReason | None] = [None] * self.n
 
     @property
     def num_cached_tokens(self) -> int:
@@ -204,7 +205,7 @@ class RequestStream:
         out = [await self.next()]
         while not self.done and self._held is None and not self.queue.empty():
             delta = self.queue.get_nowait()
-            if delta.finish_reason in ("error", "abort"):
+            if delta.finish_reason is not None and delta.finish_reason.failed:
                 self._held = delta
             else:
                 out.append(self._accept(delta))
@@ -212,9 +213,9 @@ class RequestStream:
 
     def _accept(self, delta: SequenceDelta) -> SequenceDelta:
         """Count ``delta``; raise ``APIError`` if it ends the request with an error or abort."""
-        if delta.finish_reason == "error":
+        if delta.finish_reason is FinishReason.ERROR:
             raise APIError(500, f"the engine failed while generating: {delta.error or 'unknown error'}")
-        if delta.finish_reason == "abort":
+        if delta.finish_reason is FinishReason.ABORT:
             raise APIError(503, "the request was aborted by the server", code="request_aborted")
         self.num_completion_tokens += len(delta.token_ids)
         rid = delta.request_id

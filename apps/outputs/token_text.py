@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from actors.load.embedded import bytes_to_unicode  # GPT-2's byte map: one copy in the repo
+from actors.api import bytes_to_unicode  # GPT-2's byte map: one copy in the repo
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPIECE_SPACE = "\u2581"

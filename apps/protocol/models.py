@@ -12,7 +12,7 @@ Fields beyond OpenAI's (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``, ``structured_outputs``) use vLLM's names;
 openai-python sends them through ``extra_body``. The shapes of
 ``response_format``, ``structured_outputs``, ``tools`` and ``tool_choice``
-live in ``apps.tools.protocol``.
+live in ``apps.protocol.tools``.
 
 Response builders return plain JSON-ready dicts that the official ``openai``
 types parse (``Completion``, ``ChatCompletion``, ``ChatCompletionChunk``).
@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from apps.protocol.errors import error_response
-from apps.tools.protocol import (
+from apps.protocol.tools import (
     MessageToolCall,
     ResponseFormat,
     StructuredOutputsParams,

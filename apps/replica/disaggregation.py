@@ -73,18 +73,20 @@ from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from actors.config import EngineConfig
-from actors.engine.disaggregation import (
+from actors.api import (
     WEIGHT_QUANTIZATION_FIELDS,
+    EngineStats,
+    FinishReason,
+    LatencyWindow,
     PrefillResult,
+    SequenceDelta,
+    SequenceTiming,
     check_decode_drafting,
 )
-from actors.engine.kv_offload import scoped_to_app
-from actors.engine.outputs import SequenceDelta, SequenceTiming
-from actors.engine.stats import EngineStats, LatencyWindow
+from actors.config import EngineConfig, scoped_to_app
 from actors.scheduler.handle import ActorScheduler, SchedulerHandle
+from apps.outputs.detached import detached
 from apps.protocol.errors import APIError
-from apps.replica.detached import detached
 from apps.replica.stats import HEALTH_TIMEOUT_S, STATS_TIMEOUT_S
 from cluster.autoscaling_metrics import autoscaling_stats, recent_latency_window
 from scheduling.errors import InvalidParameterError
@@ -197,7 +199,7 @@ class PrefillServer:
             result = await self._scheduler.prefill(request_id, prompt_ids, params)
         except asyncio.CancelledError:
             # Cancelling the await does not end the actor's call: abort it there, from a task this
-            # cancel does not reach (apps.replica.detached), or its pages stay taken until it finishes.
+            # cancel does not reach (apps.outputs.detached), or its pages stay taken until it finishes.
             task = detached(self._abort(request_id))
             self._aborts.add(task)
             task.add_done_callback(self._aborts.discard)
@@ -205,7 +207,9 @@ class PrefillServer:
         now = time.monotonic()
         # The window reads TTFT from sequence timings: a prefill's is its whole time here.
         timing = SequenceTiming(start, now, now, 1, start)
-        self._latency.observe([SequenceDelta(request_id, 0, [], "", None, "length", timing=timing)], now)
+        delta = SequenceDelta(request_id=request_id, index=0, token_ids=[], text="", logprobs=None,
+                              finish_reason=FinishReason.LENGTH, timing=timing)
+        self._latency.observe([delta], now)
         return result
 
     async def _abort(self, request_id: str) -> None:

@@ -48,8 +48,9 @@ from typing import Protocol, cast
 import ray
 from ray.actor import ActorHandle
 
-from actors.engine.lora_registry import LoRAUnloadingError
-from actors.runner.lora_manager import LoRAInfo
+from actors.api import LoRAInfo
+from actors.commands import AddLoRA, RemoveLoRA
+from actors.errors import LoRAUnloadingError
 from actors.scheduler.handle import SchedulerHandle
 from apps.inputs.params import unknown_model
 from apps.protocol.errors import APIError, unwrapped
@@ -202,7 +203,7 @@ class ReplicaLoRAs:
             if held is not None:  # registered again (or redeployed) with another folder
                 await self._unload_here(model)
             try:
-                await self.scheduler.add_lora(model, path)
+                await self.scheduler.command(AddLoRA(model, path))
             except Exception as e:  # every refusal names the operator's folder: logged, not answered
                 cause = unwrapped(e)
                 if isinstance(cause, APIError):
@@ -238,7 +239,7 @@ class ReplicaLoRAs:
         if name == self.base_name or name in await catalog.items():
             raise InvalidParameterError("lora_name", f"the name {name!r} is already in use")
         path = lora_folder(path)
-        info = await self.scheduler.add_lora(name, path)
+        info = await self.scheduler.command(AddLoRA(name, path))
         self.loaded[name] = path
         if not await catalog.add(name, path):  # another replica registered it meanwhile
             await self._unload_here(name)
@@ -266,7 +267,7 @@ class ReplicaLoRAs:
 
     async def _unload_here(self, name: str) -> None:
         if self.loaded.pop(name, None) is not None:
-            await self.scheduler.remove_lora(name)
+            await self.scheduler.command(RemoveLoRA(name))
 
     def check_runtime_updates(self) -> None:
         """404 unless the application was started with ``runtime_lora_updates`` (see the module docstring)."""

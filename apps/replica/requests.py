@@ -31,17 +31,17 @@ from fastapi.responses import Response
 
 from actors.config import EngineConfig
 from actors.scheduler.handle import SchedulerHandle
-from apps.inputs import embeddings as em
 from apps.inputs import params as rq
 from apps.inputs.auth import ApiKeyAuth, KeyOwner
 from apps.inputs.body import read_body
 from apps.inputs.kind import RequestKind
 from apps.inputs.prompt_encoder import PromptEncoder
+from apps.outputs.detached import detached
 from apps.outputs.http_responses import RETRY_AFTER_S, error_json
 from apps.outputs.stream_fanout import RequestStream, StreamFanout
 from apps.protocol import models as p
 from apps.protocol.errors import APIError
-from apps.replica.detached import detached
+from apps.replica import embeddings as em
 from apps.replica.disaggregation import RemotePrefill
 from apps.replica.lora import ReplicaLoRAs
 from apps.responses.service import ResponsesCall, ResponsesService
@@ -66,7 +66,7 @@ class ReplicaRequests:
     _tasks: set[asyncio.Task[None]]
     config: EngineConfig
     model_name: str
-    embedding_size: int  # the model's vectors' length (``apps.inputs.embeddings.embedding_size``)
+    embedding_size: int  # the model's vectors' length (``apps.replica.embeddings.embedding_size``)
     loras: ReplicaLoRAs
     _encoder: PromptEncoder
     _responses: ResponsesService

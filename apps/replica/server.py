@@ -30,7 +30,7 @@ on first use (``apps.replica.lora``).
 Responses API (``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``):
 a translation over the chat path (``apps.responses.service``). Embeddings
 (``POST /v1/embeddings``): engine requests that pool their prompt's hidden
-states (``apps.inputs.embeddings``). Admission, submission and aborts of every
+states (``apps.replica.embeddings``). Admission, submission and aborts of every
 endpoint are ``apps.replica.requests``'s.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
@@ -57,13 +57,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.config import EngineConfig
-from actors.engine.kv_offload import scoped_to_app
+from actors.config import EngineConfig, scoped_to_app
 from actors.load.loader import load_tokenizer, resolve_model_path
 from actors.scheduler.handle import ActorScheduler, SchedulerHandle
 from actors.scheduler.local import LocalScheduler
 from actors.scheduler.placement import DEFAULT_PLACEMENT, check_placement
-from apps.inputs import embeddings as em
 from apps.inputs import params as rq
 from apps.inputs.auth import ApiKeyAuth
 from apps.inputs.body import read_body
@@ -75,6 +73,7 @@ from apps.outputs.stream_fanout import EventStreamResponse, StreamFanout
 from apps.outputs.token_text import TokenText
 from apps.protocol import models as p
 from apps.protocol.errors import APIError
+from apps.replica import embeddings as em
 from apps.replica.disaggregation import (
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
     DEFAULT_REMOTE_PREFILL_TIMEOUT_S,
@@ -272,7 +271,7 @@ class LLMServer(ReplicaStats, ReplicaRequests):
 
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:
-        """OpenAI embeddings: each input pooled by the engine (``apps.inputs.embeddings``), float or base64."""
+        """OpenAI embeddings: each input pooled by the engine (``apps.replica.embeddings``), float or base64."""
         try:
             req, model, ids, params = await self._inputs(request, self._parse_embeddings)
         except Exception as exc:

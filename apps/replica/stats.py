@@ -11,7 +11,7 @@
 Both read the replica's own scheduler (``self._scheduler``) and stream
 fan-out (``self._fanout``), which ``LLMServer.__init__`` sets.
 
-Latency: both windows are ``actors.engine.stats.LatencyWindow`` over the same
+Latency: both windows are ``actors.api.LatencyWindow`` over the same
 ``SequenceTiming`` records. The engine's own (``EngineStats.ttft_ms_p95``,
 what ``stats()`` and ``/metrics`` show) is bounded by count (the last 1024
 sequences), which at a few requests per second is many minutes of history: a
@@ -31,8 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actors.engine.outputs import SequenceDelta
-from actors.engine.stats import EngineStats, LatencyWindow
+from actors.api import EngineStats, LatencyWindow, SequenceDelta
 from actors.scheduler.handle import SchedulerHandle
 from apps.outputs.stream_fanout import StreamFanout
 from cluster.autoscaling_metrics import autoscaling_stats, recent_latency_window

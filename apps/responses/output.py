@@ -27,6 +27,7 @@ import copy
 import uuid
 from typing import Any
 
+from actors.api import FinishReason
 from apps.protocol.models import ChatMessage
 
 
@@ -151,7 +152,7 @@ class ResponseAssembler:
 
     def finish(self, usage: dict[str, Any]) -> list[dict[str, Any]]:
         """The closing events; the response is complete (or incomplete: cut at ``max_output_tokens``)."""
-        cut = self.finish_reason == "length"
+        cut = self.finish_reason == FinishReason.LENGTH  # the wire string, read from the chat choice
         events = self._close("incomplete" if cut else "completed")
         self.status, self.usage = ("incomplete" if cut else "completed"), usage
         events.append(self._event("response.incomplete" if cut else "response.completed", response=self.response()))

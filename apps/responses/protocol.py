@@ -40,7 +40,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from apps.protocol.models import ChatCompletionRequest, ChatMessage
-from apps.tools.protocol import FunctionDefinition, JsonObjectFormat, JsonSchemaSpec, TextFormat
+from apps.protocol.tools import FunctionDefinition, JsonObjectFormat, JsonSchemaSpec, TextFormat
 from scheduling.errors import InvalidParameterError
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from apps.protocol.models import ChatCompletionRequest
+from apps.protocol.tools import FunctionDefinition
 from apps.tools.array_scanner import ArrayScanner
-from apps.tools.protocol import FunctionDefinition
 from apps.tools.scanners import HermesScanner, NamedScanner, ToolScanner
 from scheduling.errors import InvalidParameterError
 from scheduling.structured_output import StructuredOutput

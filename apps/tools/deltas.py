@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors.api import FinishReason
 from apps.protocol import models as p
 from apps.tools.scanners import ToolCallDelta, ToolEvent
 
 
-def finish_reason(engine_reason: str | None, called: bool) -> str | None:
-    """A choice that called a tool and stopped normally says "tool_calls"; "length" and the rest stay."""
-    return "tool_calls" if called and engine_reason == "stop" else engine_reason
+def finish_reason(engine_reason: FinishReason | None, called: bool) -> str | None:
+    """The wire's finish reason: the engine's, except that a choice that called a tool and stopped normally says
+    "tool_calls" (OpenAI's word, never the engine's: it is decided here, from the choice's text)."""
+    if engine_reason is None:
+        return None
+    return "tool_calls" if called and engine_reason is FinishReason.STOP else engine_reason.value
 
 
 def call_delta(delta: ToolCallDelta) -> dict[str, Any]:

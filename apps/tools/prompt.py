@@ -1,7 +1,7 @@
 """Chat messages -> the conversation a chat template renders, with tool calls, tool results and offered tools.
 
 Two cases, chosen by whether the tokenizer's chat template knows tools
-(``actors.engine.prompt_ids.template_supports_tools``):
+(``actors.tokenizing.template_supports_tools``):
 
 - It does: turns keep their structure (an assistant turn's ``tool_calls``
   with arguments as objects, as Hugging Face templates expect; ``tool`` turns

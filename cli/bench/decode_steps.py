@@ -88,15 +88,15 @@ def decode_pass(engine: LLMEngine, label: str, prompts: list[list[int]], steps: 
             deltas = engine.finish_step(batch, engine.execute(batch))
             step_s.append(time.perf_counter() - t0)
             forward_s.append(engine.forward_seconds_total - f0)
-            slots = set(batch.lora_slots) if batch.lora_slots is not None else set()
+            slots = set(batch.lora.slots) if batch.lora.slots is not None else set()
             if not (batch.is_decode_only and batch.num_seqs == len(rids)):
                 raise RuntimeError(f"{label}: decode step {k} ran {batch.num_seqs} sequences, "
                                    f"{batch.num_tokens} tokens; expected {len(rids)} decoding")
             if sorted(d.request_id for d in deltas) != sorted(rids) or any(len(d.token_ids) != 1 for d in deltas):
                 raise RuntimeError(f"{label}: decode step {k} did not advance every sequence by one token")
-            if len(slots) != distinct or batch.lora_loads:
+            if len(slots) != distinct or batch.lora.loads:
                 raise RuntimeError(f"{label}: decode step {k} ran slots {sorted(slots)} (expected {distinct} "
-                                   f"distinct) and loads {batch.lora_loads}")
+                                   f"distinct) and loads {batch.lora.loads}")
         return DecodeTimes(prefill_s, sum(len(ids) for ids in prompts), step_s, forward_s)
     finally:
         for rid in rids:

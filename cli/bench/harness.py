@@ -133,12 +133,12 @@ class Pass:
 
 def measure(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], progress: bool) -> Pass:
     """One timed pass of every prompt with default batching (``llm.generate``)."""
-    steps0 = llm.engine.scheduler.stats.num_steps
+    steps0 = llm.engine.policy.stats.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=progress)
     dt = time.perf_counter() - t0
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    return Pass(dt, sum(len(t) for t in ids), llm.engine.scheduler.stats.num_steps - steps0, ids)
+    return Pass(dt, sum(len(t) for t in ids), llm.engine.policy.stats.num_steps - steps0, ids)
 
 
 def batch1(llm: LLM, prompt: list[int], num_tokens: int) -> dict[str, Any]:

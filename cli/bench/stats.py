@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from actors.engine.stats import percentile
+from actors.api import percentile
 from scheduling.errors import InvalidParameterError
 
 if TYPE_CHECKING:  # annotations only: the statistics read results, they need no HTTP client

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.engine.prompt_ids import chat_ids
+from actors.tokenizing import chat_ids
 from scheduling.errors import InvalidParameterError
 
 CHAT_ROLES = ("system", "user", "assistant")

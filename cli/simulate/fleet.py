@@ -210,7 +210,7 @@ class Fleet:
         load = self._busy + 1.0
         for r in self.replicas:
             if r.stopped is None:
-                load += (r.ready_at > now) + self.profile.host_share_per_waiting * len(r.scheduler.waiting)
+                load += (r.ready_at > now) + self.profile.host_share_per_waiting * len(r.policy.waiting)
         return max(1.0, load / self._host_cores)
 
     # ---------------------------------------------------------------- run

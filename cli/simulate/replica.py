@@ -1,9 +1,9 @@
-"""One simulated replica: the real ``Scheduler`` over a real ``PageAllocator``, stepped in simulated time.
+"""One simulated replica: the real ``BatchPolicy`` over a real ``PageAllocator``, stepped in simulated time.
 
-A step is what ``Scheduler.schedule`` returns; instead of a forward, the
+A step is what ``BatchPolicy.schedule`` returns; instead of a forward, the
 profile says how long it takes (``StepShape`` from the batch), and every
 sampled row gets token 0 (requests run ``ignore_eos`` to their
-``output_tokens``, so the token's value changes nothing). ``Scheduler.update``
+``output_tokens``, so the token's value changes nothing). ``BatchPolicy.update``
 then applies it exactly as after a real step: chunked prefill, admission,
 preemption and page accounting are the engine's own. Prompts are token ids
 with no shared prefix (a trace gives lengths only), so prefix caching is off.
@@ -18,16 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from actors.engine.outputs import SequenceDelta, SequenceTiming
-from actors.engine.stats import LatencyWindow
+from actors.api import FinishReason, LatencyWindow, SequenceDelta, SequenceTiming
 from cli.bench.stream_client import RequestResult
 from cli.simulate.profile import StepProfile, StepShape
 from cluster.autoscaling_metrics import ReplicaLoad, recent_latency_window
 from kvcache.page_allocator import PageAllocator
 from scheduling.batch import Batch, StepOutput
+from scheduling.policy import BatchPolicy
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
 from scheduling.scheduler_config import SchedulerConfig
 
 
@@ -63,7 +62,7 @@ class SimReplica:
         config = SchedulerConfig(max_model_len=cap.max_model_len, max_num_seqs=cap.max_num_seqs,
                                  max_num_batched_tokens=cap.max_num_batched_tokens, page_size=cap.page_size,
                                  enable_prefix_caching=False)
-        self.scheduler = Scheduler(config, PageAllocator(cap.num_kv_pages))
+        self.policy = BatchPolicy(config, PageAllocator(cap.num_kv_pages))
         self._batch: Batch | None = None
 
     @property
@@ -73,7 +72,7 @@ class SimReplica:
     def add(self, rid: str, prompt_tokens: int, output_tokens: int, now: float) -> None:
         """Queue a request (its lengths were checked against ``max_model_len`` by the fleet)."""
         params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-        self.scheduler.add(Request(rid, [0] * prompt_tokens, params))
+        self.policy.add(Request(rid, [0] * prompt_tokens, params))
         self.tracked[rid] = Tracked(now, prompt_tokens)
 
     def add_prefilled(self, rid: str, prompt_tokens: int, output_tokens: int, arrival: float,
@@ -84,8 +83,8 @@ class SimReplica:
         params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
         req = Request(rid, [0] * prompt_tokens, params)
         req.append_output([0])
-        req.kv_import = ()  # the payload's bytes are the simulator's hand-off time, not data
-        self.scheduler.add(req)
+        req.kv_moves.imported = ()  # the payload's bytes are the simulator's hand-off time, not data
+        self.policy.add(req)
         self.tracked[rid] = Tracked(arrival, prompt_tokens, first_token=first_token_at, last_token=first_token_at,
                                     produced=1)
 
@@ -93,7 +92,7 @@ class SimReplica:
         """Schedule a step at ``now``, taking ``slowdown()`` times the profile's time (replicas sharing a host's
         cores; asked once the step is scheduled, so its requests no longer wait); its end time, or None when
         there is nothing to run."""
-        batch = self.scheduler.schedule()
+        batch = self.policy.schedule()
         if batch is None:
             self.busy_until = None
             return None
@@ -115,7 +114,7 @@ class SimReplica:
         batch, self._batch = self._batch, None
         assert batch is not None, "finish_step without a step"
         self.busy_until = None
-        update = self.scheduler.update(batch, StepOutput(token_ids=[0] * len(batch.sample_indices),
+        update = self.policy.update(batch, StepOutput(token_ids=[0] * len(batch.sample_indices),
                                                          logprobs=[None] * len(batch.sample_indices)))
         for req, tokens, _, _ in update.sampled:
             t = self.tracked[req.request_id]
@@ -129,18 +128,19 @@ class SimReplica:
             t = self.tracked.pop(req.request_id)
             assert t.first_token is not None and t.last_token is not None
             timing = SequenceTiming(t.arrival, t.first_token, t.last_token, t.produced)
-            deltas.append(SequenceDelta(req.request_id, 0, [], "", None, finish_reason="length", timing=timing))
+            deltas.append(SequenceDelta(request_id=req.request_id, index=0, token_ids=[], text="", logprobs=None,
+                                        finish_reason=FinishReason.LENGTH, timing=timing))
             done.append((req.request_id, RequestResult(
                 True, start_s=t.arrival, ttft_s=timing.ttft_s, e2e_s=timing.e2e_s, prompt_tokens=t.prompt_tokens,
-                output_tokens=t.produced, finish_reasons=["length"])))
+                output_tokens=t.produced, finish_reasons=[FinishReason.LENGTH.value])))
         self.window.observe(deltas, now)
-        alloc = self.scheduler.allocator
+        alloc = self.policy.allocator
         self.kv_peak = max(self.kv_peak, 1 - alloc.num_free_pages / alloc.num_pages)
         return done
 
     def load(self, now: float) -> ReplicaLoad:
         """What this replica reports to the autoscaler now (``cluster.autoscaling_metrics``)."""
-        s = self.scheduler
+        s = self.policy
         alloc = s.allocator
         idle = not self.tracked  # as a real replica reports: no request waiting here, no latency to speak of
         return ReplicaLoad(

@@ -40,7 +40,7 @@ class HeldExportExecutor(LocalExecutor):
         self.entered, self.release, self.held = entered, release, False
 
     def execute(self, batch: Batch) -> StepOutput:
-        if batch.kv_exports and not self.held:
+        if batch.kv_moves.exports and not self.held:
             self.held = True
             self.entered.set()
             assert self.release.wait(TIMEOUT_S), "the test never released the held step"
@@ -55,9 +55,9 @@ class FailingImportExecutor(LocalExecutor):
         self.failed = False
 
     def execute(self, batch: Batch) -> StepOutput:
-        if batch.kv_imports and not self.failed:
+        if batch.kv_moves.imports and not self.failed:
             self.failed = True
-            pages, payloads = batch.kv_imports[0]
+            pages, payloads = batch.kv_moves.imports[0]
             self.runner.pool.write_pages(pages[:1], first_pages(payloads[0], 1))
             raise torch.OutOfMemoryError(IMPORT_ERROR)
         return super().execute(batch)
@@ -108,9 +108,9 @@ def break_finish(service: Any, times: int) -> None:
 
 
 def break_settling(service: Any) -> None:
-    """Run in a SchedulerActor: every ``Scheduler.update`` from now on raises (no step can be settled)."""
+    """Run in a SchedulerActor: every ``BatchPolicy.update`` from now on raises (no step can be settled)."""
 
     def update(batch: Batch, output: StepOutput) -> Any:
         raise RuntimeError(SETTLE_ERROR)
 
-    service._engine.scheduler.update = update
+    service._engine.policy.update = update

@@ -37,8 +37,8 @@ CLUSTER = {"cluster": True, "load_wait_s": 30.0}  # a busy CI box: a load never 
 
 def _store(engine: LLMEngine) -> ActorHandle:
     """This node's store of ``engine``'s app and model."""
-    assert engine.offload is not None and engine.offload._store is not None
-    return ray.get_actor(engine.offload._store._local_name(), namespace=NAMESPACE)
+    assert engine.kv_tiers is not None and engine.kv_tiers._store is not None
+    return ray.get_actor(engine.kv_tiers._store._local_name(), namespace=NAMESPACE)
 
 
 def _store_stats(engine: LLMEngine) -> dict[str, int]:
@@ -51,8 +51,8 @@ def test_engines_share_blocks_through_the_cluster_store(ray_cluster: None, tmp_p
 
     first = LLM(model=model, kv_offload=CLUSTER, **ENGINE)
     assert _generate(first, PROMPTS) == reference
-    assert first.engine.offload is not None
-    first.engine.offload.wait_for_saves()
+    assert first.engine.kv_tiers is not None
+    first.engine.kv_tiers.wait_for_saves()
     held = _store_stats(first.engine)
     assert held["blocks"] > 0 and held["bytes"] <= held["max_bytes"]
     cluster = _tier(first.engine, "cluster")
@@ -83,8 +83,8 @@ def test_engines_share_blocks_through_the_cluster_store(ray_cluster: None, tmp_p
     assert _tier(second.engine, "cluster")["errors"] >= 1
     _assert_all_free(second.engine)
     # Its saves of the recomputed pages start a fresh store on the node, from which a new engine starts warm.
-    assert second.engine.offload is not None
-    second.engine.offload.wait_for_saves()
+    assert second.engine.kv_tiers is not None
+    second.engine.kv_tiers.wait_for_saves()
     second.shutdown()
     third = LLM(model=model, kv_offload=CLUSTER, **ENGINE)
     tokens, cached = _cached(third, PROMPTS)
@@ -191,8 +191,8 @@ def test_an_adapter_of_the_same_name_and_other_weights_gets_no_block_from_the_st
     first = LLM(model=str(model), kv_offload=CLUSTER, **engine)
     first.load_lora("a", str(one))
     assert run(first, "a") == (want["one"], 0)
-    assert first.engine.offload is not None
-    first.engine.offload.wait_for_saves()
+    assert first.engine.kv_tiers is not None
+    first.engine.kv_tiers.wait_for_saves()
     first.shutdown()
 
     second = LLM(model=str(model), kv_offload=CLUSTER, **engine)

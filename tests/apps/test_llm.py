@@ -10,7 +10,7 @@ from scheduling.sampling_params import SamplingParams
 
 
 def _pool_clean(llm: LLM) -> None:
-    sched = llm.engine.scheduler
+    sched = llm.engine.policy
     cached = sched.cache.num_cached_pages if sched.cache is not None else 0
     assert sched.allocator.num_free_pages + cached == sched.allocator.num_pages
     assert sched.cache is None or sched.cache.num_locked_pages == 0

@@ -13,7 +13,7 @@ from ray.serve import autoscaling_policy
 from ray.serve import config as serve_config
 from ray.serve._private import autoscaling_state
 
-from actors.engine.stats import EngineStats
+from actors.api import EngineStats
 from cluster.autoscaling import (
     STATE_KEY,
     AutoscalingConfig,

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from ray.serve import config as serve_config
 
-from actors.engine.outputs import SequenceDelta, SequenceTiming
-from actors.engine.stats import EngineStats, LatencyWindow
+from actors.api import EngineStats, FinishReason, LatencyWindow, SequenceDelta, SequenceTiming
 from apps.builder import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, deployment_options, split_args
 from apps.replica.stats import ReplicaStats
 from cluster.autoscaling import (
@@ -88,7 +87,8 @@ def test_builder_options_translate_to_deployment_options() -> None:
 def _finished(ttft_s: float, tpot_s: float, n: int = 11, reason: str = "length") -> SequenceDelta:
     timing = SequenceTiming(arrival_time=0.0, first_token_time=ttft_s,
                             last_token_time=ttft_s + tpot_s * (n - 1), num_output_tokens=n)
-    return SequenceDelta("r", 0, [1], "x", None, finish_reason=reason, timing=timing)
+    return SequenceDelta(request_id="r", index=0, token_ids=[1], text="x", logprobs=None,
+                         finish_reason=FinishReason(reason), timing=timing)
 
 
 def test_recent_latency_forgets_old_samples() -> None:

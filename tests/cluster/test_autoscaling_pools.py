@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ray.serve import config as serve_config
 
-from actors.engine.stats import EngineStats
+from actors.api import EngineStats
 from cluster.autoscaling import (
     POLICY_PATH,
     AutoscalingConfig,

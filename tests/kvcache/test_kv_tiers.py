@@ -27,7 +27,6 @@ from kvcache.kv_blocks import (
     page_block,
     payloads_of,
 )
-from kvcache.kv_offload_config import KVOffloadConfig
 from kvcache.kv_pool import KVPool
 from kvcache.kv_tiers import (
     ABANDONED_AFTER_S,
@@ -38,6 +37,7 @@ from kvcache.kv_tiers import (
     TierStats,
     sweep_abandoned,
 )
+from kvcache.kv_tiers_config import KVTiersConfig
 from kvcache.kv_transfer import KVLayout, RankPayloads
 
 SHAPE: dict[str, Any] = {"num_layers": 2, "page_size": 4, "num_kv_heads": 2, "head_dim": 8}
@@ -121,20 +121,20 @@ def test_split_and_join_are_inverse() -> None:
 
 
 def test_config_is_checked_by_name() -> None:
-    assert KVOffloadConfig.parse('{"host_bytes": 2e6}') == KVOffloadConfig(host_bytes=2_000_000)
-    assert KVOffloadConfig.parse(None) is None
+    assert KVTiersConfig.parse('{"host_bytes": 2e6}') == KVTiersConfig(host_bytes=2_000_000)
+    assert KVTiersConfig.parse(None) is None
     for bad, words in [({}, "every tier is off"), ({"host_bytes": -1}, "host_bytes"), ({"hots_bytes": 1}, "unknown"),
                        ({"disk_path": "/tmp/x"}, "disk_bytes is 0"), ("{nope", "not valid JSON"),
                        ({"cluster": "yes"}, "cluster must be"), ({"host_bytes": 1, "load_wait_s": 90}, "load_wait_s"),
                        ([1], "must be an object"), ({"host_bytes": 1, "save_queue_bytes": -1}, "save_queue_bytes"),
                        ({"cluster": True, "cluster_app": ""}, "cluster_app must be")]:  # fmt: skip
         with pytest.raises(CacheConfigError, match=words) as info:
-            KVOffloadConfig.parse(bad)  # type: ignore[arg-type]
+            KVTiersConfig.parse(bad)  # type: ignore[arg-type]
         assert info.value.param == "kv_offload"
 
 
 def _tiers(tmp_path: Path, *, host: int = 0, disk: int = 0, store: BlockStore | None = None) -> TieredKV:
-    config = KVOffloadConfig(host_bytes=host, disk_bytes=disk, cluster=store is not None)
+    config = KVTiersConfig(host_bytes=host, disk_bytes=disk, cluster=store is not None)
     return TieredKV(config, KVLayout.of(_pool()), 1, disk_path=tmp_path / "blocks" if disk else None, store=store)
 
 

@@ -1,4 +1,4 @@
-"""Drives a Scheduler with the fake runner and checks per-step invariants."""
+"""Drives a BatchPolicy with the fake runner and checks per-step invariants."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from kvcache.page_allocator import PageAllocator
 from scheduling.batch import Batch
+from scheduling.policy import BatchPolicy
 from scheduling.request import Request
-from scheduling.scheduler import Scheduler
 from scheduling.scheduler_config import SchedulerConfig
 from tests.scheduling.fake_runner import FakeModelRunner
 
@@ -17,7 +17,7 @@ VOCAB = 97
 
 @dataclass
 class Run:
-    scheduler: Scheduler
+    policy: BatchPolicy
     runner: FakeModelRunner
     finished: dict[str, Request] = field(default_factory=dict)
     batches: list[Batch] = field(default_factory=list)
@@ -26,11 +26,11 @@ class Run:
 
 def make(config: SchedulerConfig, num_pages: int) -> Run:
     allocator = PageAllocator(num_pages)
-    return Run(Scheduler(config, allocator), FakeModelRunner(num_pages, config.page_size, VOCAB))
+    return Run(BatchPolicy(config, allocator), FakeModelRunner(num_pages, config.page_size, VOCAB))
 
 
 def step(run: Run, keep_batches: bool = False) -> Batch | None:
-    s = run.scheduler
+    s = run.policy
     batch = s.schedule()
     if batch is None:
         return None
@@ -51,7 +51,7 @@ def drain(run: Run, on_step: Callable[[int], None] | None = None, max_steps: int
     for i in range(max_steps):
         if on_step is not None:
             on_step(i)
-        if not run.scheduler.has_work:
+        if not run.policy.has_work:
             return
         step(run)
     raise AssertionError("scheduler did not drain")
@@ -59,7 +59,7 @@ def drain(run: Run, on_step: Callable[[int], None] | None = None, max_steps: int
 
 def assert_pool_clean(run: Run) -> None:
     """Every page is free or held by the radix tree alone; evicting all frees the pool."""
-    s = run.scheduler
+    s = run.policy
     alloc = s.allocator
     alloc.check_integrity()
     cached = s.cache.num_cached_pages if s.cache is not None else 0

@@ -75,7 +75,7 @@ class FakeModelRunner:
     def execute(self, batch: Batch) -> StepOutput:
         offset = 0
         sampled = {i: j for j, i in enumerate(batch.sample_indices)}
-        drafts = batch.draft_token_ids
+        drafts = batch.drafts.token_ids
         token_ids: list[int] = []
         accepted: list[int] = []
         proposals: list[list[int]] = []
@@ -96,7 +96,7 @@ class FakeModelRunner:
                 a += 1
             token_ids += rows
             accepted.append(a)
-            m = batch.num_propose[j] if batch.num_propose is not None else 0
+            m = batch.drafts.num_propose[j] if batch.drafts.num_propose is not None else 0
             proposal: list[int] = []
             if m:
                 last, pos = rows[a], ctx - len(draft) + a
@@ -108,7 +108,7 @@ class FakeModelRunner:
         return StepOutput(
             token_ids, [None] * len(token_ids),
             accepted if drafts is not None else None,
-            proposals if batch.num_propose is not None else None,
+            proposals if batch.drafts.num_propose is not None else None,
         )
 
 

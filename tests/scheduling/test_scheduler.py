@@ -5,9 +5,9 @@ import pytest
 from kvcache.errors import CacheConfigError
 from kvcache.page_allocator import PageAllocator
 from scheduling.errors import InvalidParameterError
+from scheduling.policy import BatchPolicy
 from scheduling.request import Request, RequestStatus
 from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
 from scheduling.scheduler_config import SchedulerConfig
 from tests.scheduling.driver import VOCAB, assert_pool_clean, drain, make, step
 from tests.scheduling.fake_runner import reference_generate
@@ -20,7 +20,7 @@ def req(rid: str, prompt: list[int], max_tokens: int, **kw: object) -> Request:
 def test_single_request_generates_reference_tokens() -> None:
     run = make(SchedulerConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256), num_pages=64)
     prompt = list(range(40))
-    run.scheduler.add(req("a", prompt, 20))
+    run.policy.add(req("a", prompt, 20))
     drain(run)
     r = run.finished["a"]
     assert r.finish_reason == "length"
@@ -33,10 +33,10 @@ def test_stop_token_and_eos() -> None:
     prompt = [1, 2, 3]
     ref = reference_generate(prompt, 30, VOCAB)
     stop = ref[5]
-    run.scheduler.add(req("a", prompt, 30, stop_token_ids=[stop]))
+    run.policy.add(req("a", prompt, 30, stop_token_ids=[stop]))
     r_eos = Request("b", prompt, SamplingParams(max_tokens=30), eos_token_id=stop)
-    run.scheduler.add(r_eos)
-    run.scheduler.add(Request("c", prompt, SamplingParams(max_tokens=30, ignore_eos=True), eos_token_id=stop))
+    run.policy.add(r_eos)
+    run.policy.add(Request("c", prompt, SamplingParams(max_tokens=30, ignore_eos=True), eos_token_id=stop))
     drain(run)
     first = ref.index(stop)
     assert run.finished["a"].output_token_ids == ref[: first + 1]
@@ -49,10 +49,10 @@ def test_stop_token_and_eos() -> None:
 def test_chunked_prefill_mixes_with_decodes_under_budget() -> None:
     cfg = SchedulerConfig(max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8)
     run = make(cfg, num_pages=256)
-    run.scheduler.add(req("short", [7] * 10, 30))
+    run.policy.add(req("short", [7] * 10, 30))
     step(run, keep_batches=True)  # short prompt prefilled
-    run.scheduler.add(req("long", list(range(300)), 5))
-    while run.scheduler.has_work:
+    run.policy.add(req("long", list(range(300)), 5))
+    while run.policy.has_work:
         step(run, keep_batches=True)
     mixed = [b for b in run.batches if b.num_seqs == 2 and max(b.query_lens) > 1]
     assert mixed, "a prefill chunk should share a step with a decode"
@@ -68,7 +68,7 @@ def test_without_chunked_prefill_prompt_runs_whole() -> None:
         max_model_len=128, max_num_batched_tokens=128, max_num_seqs=8, enable_chunked_prefill=False
     )
     run = make(cfg, num_pages=64)
-    run.scheduler.add(req("a", list(range(100)), 3))
+    run.policy.add(req("a", list(range(100)), 3))
     b = step(run)
     assert b is not None and b.query_lens == [100]
 
@@ -77,16 +77,16 @@ def test_max_num_seqs_limits_running() -> None:
     cfg = SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
     run = make(cfg, num_pages=128)
     for i in range(10):
-        run.scheduler.add(req(str(i), [i, i + 1], 8))
+        run.policy.add(req(str(i), [i, i + 1], 8))
     b = step(run)
     assert b is not None and b.num_seqs == 4
-    assert len(run.scheduler.waiting) == 6
+    assert len(run.policy.waiting) == 6
     drain(run)
     assert len(run.finished) == 10
 
 
 def test_invalid_requests_are_refused_with_param() -> None:
-    s = Scheduler(SchedulerConfig(max_model_len=32, max_num_seqs=8, max_num_batched_tokens=32), PageAllocator(8))
+    s = BatchPolicy(SchedulerConfig(max_model_len=32, max_num_seqs=8, max_num_batched_tokens=32), PageAllocator(8))
     with pytest.raises(InvalidParameterError) as e:
         s.add(req("a", [], 4))
     assert e.value.param == "prompt"
@@ -104,13 +104,13 @@ def test_invalid_requests_are_refused_with_param() -> None:
 
 def test_pool_smaller_than_max_model_len_is_refused() -> None:
     with pytest.raises(CacheConfigError) as e:
-        Scheduler(SchedulerConfig(max_model_len=1024, page_size=16), PageAllocator(10))
+        BatchPolicy(SchedulerConfig(max_model_len=1024, page_size=16), PageAllocator(10))
     assert e.value.param == "max_model_len" and "64" in str(e.value) and "10" in str(e.value)
 
 
 def test_abort_anywhere_frees_pages() -> None:
     run = make(SchedulerConfig(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=32), num_pages=64)
-    s = run.scheduler
+    s = run.policy
     for i in range(6):
         s.add(req(str(i), list(range(i, i + 50)), 10))
     assert s.abort("0") is not None  # waiting
@@ -137,9 +137,9 @@ def test_preemption_recomputes_to_identical_output() -> None:
     run = make(cfg, num_pages=40)  # 16 sequences of ~50 tokens need ~200 pages
     prompts = {str(i): [(i * 7 + j) % VOCAB for j in range(10 + i)] for i in range(16)}
     for rid, p in prompts.items():
-        run.scheduler.add(req(rid, p, 40))
+        run.policy.add(req(rid, p, 40))
     drain(run)
-    assert run.scheduler.stats.num_preemptions > 0
+    assert run.policy.stats.num_preemptions > 0
     for rid, p in prompts.items():
         assert run.finished[rid].output_token_ids == reference_generate(p, 40, VOCAB)
     assert_pool_clean(run)
@@ -149,13 +149,13 @@ def test_shared_prefix_is_computed_once() -> None:
     cfg = SchedulerConfig(max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=16)
     run = make(cfg, num_pages=1024)
     prefix = [(j * 31) % VOCAB for j in range(1000)]
-    run.scheduler.add(req("first", prefix + [1, 2, 3], 4))
+    run.policy.add(req("first", prefix + [1, 2, 3], 4))
     drain(run)
     assert run.finished["first"].num_cached_tokens == 0
     before = run.computed_tokens
     suffixes = {f"r{i}": [i, i + 1, i + 2, i + 3, i + 4] for i in range(8)}
     for rid, suf in suffixes.items():
-        run.scheduler.add(req(rid, prefix + suf, 4))
+        run.policy.add(req(rid, prefix + suf, 4))
     drain(run)
     recomputed = run.computed_tokens - before
     # 1,000 prefix tokens = 62.5 pages of 16: the first 992 come from the cache.
@@ -164,26 +164,26 @@ def test_shared_prefix_is_computed_once() -> None:
         r = run.finished[rid]
         assert r.num_cached_tokens == 992
         assert r.output_token_ids == reference_generate(prefix + suf, 4, VOCAB)
-    assert run.scheduler.stats.prefix_hit_tokens == 8 * 992
+    assert run.policy.stats.prefix_hit_tokens == 8 * 992
     assert_pool_clean(run)
 
 
 def test_prefix_caching_off_frees_everything() -> None:
     cfg = SchedulerConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False)
     run = make(cfg, num_pages=64)
-    run.scheduler.add(req("a", list(range(60)), 5))
+    run.policy.add(req("a", list(range(60)), 5))
     drain(run)
-    assert run.scheduler.cache is None
-    assert run.scheduler.allocator.num_free_pages == 64
+    assert run.policy.cache is None
+    assert run.policy.allocator.num_free_pages == 64
 
 
 def test_namespaces_do_not_share_prefixes() -> None:
     run = make(SchedulerConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256), num_pages=64)
     prompt = list(range(64))
-    run.scheduler.add(Request("a", prompt, SamplingParams(max_tokens=2), namespace="t1"))
+    run.policy.add(Request("a", prompt, SamplingParams(max_tokens=2), namespace="t1"))
     drain(run)
-    run.scheduler.add(Request("b", prompt, SamplingParams(max_tokens=2), namespace="t2"))
-    run.scheduler.add(Request("c", prompt, SamplingParams(max_tokens=2), namespace="t1"))
+    run.policy.add(Request("b", prompt, SamplingParams(max_tokens=2), namespace="t2"))
+    run.policy.add(Request("c", prompt, SamplingParams(max_tokens=2), namespace="t1"))
     drain(run)
     assert run.finished["b"].num_cached_tokens == 0
     assert run.finished["c"].num_cached_tokens == 48
@@ -195,9 +195,9 @@ def test_siblings_share_the_prompt_computed_once(prefix_caching: bool) -> None:
                           enable_prefix_caching=prefix_caching)
     run = make(cfg, num_pages=64)
     prompt = [(j * 11) % VOCAB for j in range(100)]
-    run.scheduler.add(req("g#0", prompt, 6))
+    run.policy.add(req("g#0", prompt, 6))
     for i in range(1, 4):
-        run.scheduler.add(req(f"g#{i}", prompt, 6), share_prompt_with="g#0")
+        run.policy.add(req(f"g#{i}", prompt, 6), share_prompt_with="g#0")
     drain(run)
     # 100 prompt tokens once, then each sibling recomputes only the 4 past the last full page.
     assert run.computed_tokens == 100 + 3 * 4 + 4 * 5
@@ -210,11 +210,11 @@ def test_siblings_share_the_prompt_computed_once(prefix_caching: bool) -> None:
 def test_abort_of_prompt_source_releases_its_siblings() -> None:
     run = make(SchedulerConfig(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256), num_pages=64)
     prompt = list(range(40))
-    run.scheduler.add(req("g#0", prompt, 3))
-    run.scheduler.add(req("g#1", prompt, 3), share_prompt_with="g#0")
-    run.scheduler.add(req("g#2", prompt, 3), share_prompt_with="g#0")
-    run.scheduler.abort("g#2")  # a parked sibling
-    run.scheduler.abort("g#0")  # the source, before its prompt ran
+    run.policy.add(req("g#0", prompt, 3))
+    run.policy.add(req("g#1", prompt, 3), share_prompt_with="g#0")
+    run.policy.add(req("g#2", prompt, 3), share_prompt_with="g#0")
+    run.policy.abort("g#2")  # a parked sibling
+    run.policy.abort("g#0")  # the source, before its prompt ran
     drain(run)
     assert set(run.finished) == {"g#1"}
     assert run.finished["g#1"].output_token_ids == reference_generate(prompt, 3, VOCAB)
@@ -225,9 +225,9 @@ def test_requests_in_step_names_exactly_the_planned_ones() -> None:
     cfg = SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
     run = make(cfg, num_pages=64)
     for i in range(3):
-        run.scheduler.add(req(str(i), [i + 1, i + 2], 4))
-    batch = run.scheduler.schedule()
+        run.policy.add(req(str(i), [i + 1, i + 2], 4))
+    batch = run.policy.schedule()
     assert batch is not None
-    assert [r.request_id for r in run.scheduler.requests_in_step(batch.step)] == ["0", "1"]
-    run.scheduler.update(batch, run.runner.execute(batch))
-    assert run.scheduler.requests_in_step(batch.step) == []
+    assert [r.request_id for r in run.policy.requests_in_step(batch.step)] == ["0", "1"]
+    run.policy.update(batch, run.runner.execute(batch))
+    assert run.policy.requests_in_step(batch.step) == []

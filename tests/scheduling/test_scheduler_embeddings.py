@@ -3,7 +3,7 @@
 The fake runner writes every scheduled token into its pages as a model would;
 what these tests check is the scheduler's side: which sequences a ``Batch``
 pools and samples, when an embedding request ends, the rows and chunk starts
-``SchedulerUpdate.pooled`` reports (preemption included), and that its pages
+``PolicyUpdate.pooled`` reports (preemption included), and that its pages
 go back to the allocator rather than into the prefix cache.
 """
 
@@ -13,10 +13,10 @@ import pytest
 
 from scheduling.batch import Batch
 from scheduling.errors import InvalidParameterError
+from scheduling.policy import PolicyUpdate
 from scheduling.pooling import Pooling
 from scheduling.request import Request, RequestStatus
 from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import SchedulerUpdate
 from scheduling.scheduler_config import SchedulerConfig
 from tests.scheduling.driver import VOCAB, Run, assert_pool_clean, drain, make
 from tests.scheduling.fake_runner import reference_generate
@@ -34,9 +34,9 @@ def prompt_of(length: int, salt: int = 0) -> list[int]:
     return [(salt * 31 + j * 7 + 3) % VOCAB for j in range(length)]
 
 
-def one_step(run: Run) -> tuple[Batch, list[Request], SchedulerUpdate]:
+def one_step(run: Run) -> tuple[Batch, list[Request], PolicyUpdate]:
     """Schedule, run and settle one step; also the step's requests, in the batch's sequence order."""
-    s = run.scheduler
+    s = run.policy
     batch = s.schedule()
     assert batch is not None
     reqs = s.requests_in_step(batch.step)
@@ -50,7 +50,7 @@ def one_step(run: Run) -> tuple[Batch, list[Request], SchedulerUpdate]:
 def test_a_chunked_embedding_is_pooled_per_chunk_never_sampled_and_ends_with_its_prompt(mode: str) -> None:
     cfg = SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, page_size=4)
     run = make(cfg, num_pages=40)
-    s = run.scheduler
+    s = run.policy
     s.add(generating("g", prompt_of(5, 1), 6))
     s.add(embedding("e", prompt_of(20), mode))
     starts: list[int] = []
@@ -60,8 +60,8 @@ def test_a_chunked_embedding_is_pooled_per_chunk_never_sampled_and_ends_with_its
         if "e" in ids:
             assert ids.index("e") not in batch.sample_indices  # never sampled, so never given logits
         for req, j, first in update.pooled:
-            assert req.request_id == "e" and batch.pool_indices is not None
-            assert batch.pool_indices[j] == ids.index("e") and batch.pool_means == [mode == "mean"]
+            assert req.request_id == "e" and batch.pooling.indices is not None
+            assert batch.pooling.indices[j] == ids.index("e") and batch.pooling.means == [mode == "mean"]
             starts.append(first)
     # g's prompt (5) and decodes share each 8-token step: e computes 3, 7, 7, 3 tokens.
     # Mean pools every chunk; last only the one that ends the prompt.
@@ -76,7 +76,7 @@ def test_a_chunked_embedding_is_pooled_per_chunk_never_sampled_and_ends_with_its
 def test_an_embedding_reads_no_cached_prefix_and_leaves_none() -> None:
     cfg = SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, page_size=4)
     run = make(cfg, num_pages=40)
-    s = run.scheduler
+    s = run.policy
     assert s.cache is not None
     prompt = prompt_of(17)
     s.add(generating("g1", prompt, 1))
@@ -102,7 +102,7 @@ def test_a_preempted_embedding_restarts_its_pooling_from_the_first_token() -> No
     cfg = SchedulerConfig(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8, page_size=4,
                           enable_prefix_caching=False)
     run = make(cfg, num_pages=8)
-    s = run.scheduler
+    s = run.policy
     s.add(generating("g", prompt_of(12, 1), 20))
     s.add(embedding("e", prompt_of(24)))
     starts: list[int] = []
@@ -121,11 +121,11 @@ def test_a_preempted_embedding_restarts_its_pooling_from_the_first_token() -> No
 def test_an_aborted_embedding_frees_its_pages_and_reports_no_row() -> None:
     cfg = SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, page_size=4)
     run = make(cfg, num_pages=40)
-    s = run.scheduler
+    s = run.policy
     s.add(embedding("e", prompt_of(30)))
     one_step(run)
     batch = s.schedule()
-    assert batch is not None and batch.pool_indices == [0]
+    assert batch is not None and batch.pooling.indices == [0]
     aborted = s.abort("e")  # while the step runs: its row comes back, for no one
     assert aborted is not None and aborted.status is RequestStatus.ABORTED
     update = s.update(batch, run.runner.execute(batch))
@@ -137,7 +137,7 @@ def test_an_aborted_embedding_frees_its_pages_and_reports_no_row() -> None:
 def test_an_embedding_prompt_may_fill_max_model_len_and_ignores_max_tokens() -> None:
     cfg = SchedulerConfig(max_model_len=16, max_num_seqs=2, max_num_batched_tokens=16, page_size=4)
     run = make(cfg, num_pages=8)
-    s = run.scheduler
+    s = run.policy
     s.add(Request("e", prompt_of(16), SamplingParams(max_tokens=100, pooling=Pooling("last"))))
     drain(run)
     assert run.finished["e"].finish_reason == "stop"

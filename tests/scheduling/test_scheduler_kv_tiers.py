@@ -7,8 +7,8 @@ import torch
 
 from kvcache.kv_transfer import KVPayload
 from scheduling.batch import StepOutput
-from scheduling.kv_tiers import MAX_SAVE_PAGES, TierHit
-from scheduling.request import Request, RequestStatus
+from scheduling.kv_tiers import MAX_SAVE_PAGES
+from scheduling.request import Request, RequestStatus, TierHit
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler_config import SchedulerConfig
 from tests.scheduling.driver import assert_pool_clean, drain, make, step
@@ -41,7 +41,7 @@ def _payload(num_pages: int) -> KVPayload:
 
 def test_saved_pages_stay_pinned_until_their_step_is_settled() -> None:
     run = make(CONFIG, 32)
-    s = run.scheduler
+    s = run.policy
     saver = SaveAll()
     s.kv.saver = saver
     s.add(_req("a", 18))
@@ -55,8 +55,8 @@ def test_saved_pages_stay_pinned_until_their_step_is_settled() -> None:
     assert s.allocator.num_free_pages == 32 - 5
     batch = s.schedule()
     assert batch is not None and batch.num_seqs == 0  # a step for the saves alone
-    assert batch.kv_saves is not None and len(batch.kv_saves) == 5
-    assert batch.kv_save_keys == [bytes([1, i]) for i in range(5)]
+    assert batch.kv_moves.saves is not None and len(batch.kv_moves.saves) == 5
+    assert batch.kv_moves.save_keys == [bytes([1, i]) for i in range(5)]
     s.update(batch, StepOutput([], []))
     assert not s.has_work and s.allocator.num_free_pages == 32
     assert_pool_clean(run)
@@ -65,51 +65,51 @@ def test_saved_pages_stay_pinned_until_their_step_is_settled() -> None:
 def test_a_burst_of_saves_spreads_over_steps() -> None:
     config = SchedulerConfig(max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048, page_size=PS)
     run = make(config, 1024)
-    run.scheduler.kv.saver = SaveAll()
+    run.policy.kv.saver = SaveAll()
     for i in range(3):
-        run.scheduler.add(_req(f"r{i}", 400, first=i + 1))
+        run.policy.add(_req(f"r{i}", 400, first=i + 1))
     drain(run)
-    sizes = [len(b.kv_saves or []) for b in run.batches]
+    sizes = [len(b.kv_moves.saves or []) for b in run.batches]
     assert max(sizes, default=0) <= MAX_SAVE_PAGES
     assert_pool_clean(run)
 
 
 def test_a_failed_save_step_still_drops_its_pins() -> None:
     run = make(CONFIG, 32)
-    s = run.scheduler
+    s = run.policy
     s.kv.saver = SaveAll()
     s.add(_req("a", 18))
     while "a" not in run.finished:
         step(run)
     batch = s.schedule()
-    assert batch is not None and batch.kv_saves
+    assert batch is not None and batch.kv_moves.saves
     s.update(batch, StepOutput([], []))  # what the engine's fail path does: settle with no output
     assert_pool_clean(run)
 
 
 def test_loaded_blocks_extend_the_radix_match() -> None:
     run = make(CONFIG, 32)
-    s = run.scheduler
+    s = run.policy
     req = _req("a", 22)  # five full pages, the last token left to compute
-    req.kv_loaded = TierHit(0, (_payload(5),))
+    req.kv_moves.loaded = TierHit(0, (_payload(5),))
     s.add(req)
     batch = s.schedule()
-    assert batch is not None and batch.kv_imports is not None
-    (pages, payloads), = batch.kv_imports
+    assert batch is not None and batch.kv_moves.imports is not None
+    (pages, payloads), = batch.kv_moves.imports
     assert pages == req.pages[:5] and payloads[0].num_pages == 5
     assert batch.query_lens == [2] and batch.positions == [20, 21]  # only the tokens past the blocks
     assert req.num_cached_tokens == 20 and s.stats.tier_hit_tokens == 20
-    assert req.kv_loaded is None and req.kv_tier_unwritten
+    assert req.kv_moves.loaded is None and req.kv_moves.tier_unwritten
 
 
 def test_pages_of_a_load_never_reach_the_tree_unwritten() -> None:
     run = make(CONFIG, 32)
-    s = run.scheduler
+    s = run.policy
     req = _req("a", 22)
-    req.kv_loaded = TierHit(0, (_payload(5),))
+    req.kv_moves.loaded = TierHit(0, (_payload(5),))
     s.add(req)
     batch = s.schedule()
-    assert batch is not None and batch.kv_imports
+    assert batch is not None and batch.kv_moves.imports
     s.abort("a")  # while its step runs: the imported pages hold nothing yet
     assert s.cache is not None and s.cache.num_cached_pages == 0
     s.update(batch, StepOutput([0], [None]))
@@ -119,14 +119,14 @@ def test_pages_of_a_load_never_reach_the_tree_unwritten() -> None:
 
 def test_a_request_waits_for_its_load_and_those_behind_it_go_on() -> None:
     run = make(CONFIG, 32)
-    s = run.scheduler
+    s = run.policy
     first, second = _req("a", 10), _req("b", 10, first=7)
-    first.kv_loading = True
+    first.kv_moves.loading = True
     s.add(first)
     s.add(second)
     batch = step(run)
     assert batch is not None and s.running == [second] and list(s.waiting) == [first]
-    first.kv_loading = False  # its load ended: it is admitted at the next plan
+    first.kv_moves.loading = False  # its load ended: it is admitted at the next plan
     step(run)
     assert first in s.running
     drain(run)
@@ -137,11 +137,11 @@ def test_a_request_waits_for_its_load_and_those_behind_it_go_on() -> None:
 def test_blocks_that_no_longer_join_the_match_are_dropped() -> None:
     """A load that starts past what the tree holds now (its pages were evicted meanwhile) cannot be used."""
     run = make(CONFIG, 32)
-    s = run.scheduler
+    s = run.policy
     req = _req("a", 22)
-    req.kv_loaded = TierHit(2, (_payload(3),))  # blocks 2..4, but the tree holds none of 0..1
+    req.kv_moves.loaded = TierHit(2, (_payload(3),))  # blocks 2..4, but the tree holds none of 0..1
     s.add(req)
     batch = step(run)
-    assert batch is not None and batch.kv_imports is None and batch.query_lens == [22]
+    assert batch is not None and batch.kv_moves.imports is None and batch.query_lens == [22]
     drain(run)
     assert_pool_clean(run)

@@ -1,4 +1,4 @@
-"""Scheduler page pressure: who is preempted, a blocked head of line, eviction of shared pages."""
+"""BatchPolicy page pressure: who is preempted, a blocked head of line, eviction of shared pages."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_preemption_takes_the_newest_running_request() -> None:
     cfg = SchedulerConfig(max_model_len=16, max_num_seqs=4, max_num_batched_tokens=64, page_size=4,
                           enable_prefix_caching=False)
     run = make(cfg, num_pages=6)
-    s = run.scheduler
+    s = run.policy
     prompts = {rid: [(i * 13 + j) % VOCAB for j in range(8)] for i, rid in enumerate("abc")}
     for rid, prompt in prompts.items():
         s.add(req(rid, prompt, 8))
@@ -48,7 +48,7 @@ def test_preemption_order_is_not_an_option() -> None:
 def test_blocked_head_of_line_counts_its_prefix_hit_once(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = SchedulerConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, page_size=4)
     run = make(cfg, num_pages=20)
-    s = run.scheduler
+    s = run.policy
     assert s.cache is not None
     cached = list(range(1, 10))
     s.add(req("c", cached, 1))
@@ -92,7 +92,7 @@ def test_eviction_frees_pages_before_preempting_despite_shared_ones() -> None:
     # The scheduler must go on to the next leaf rather than preempt.
     cfg = SchedulerConfig(max_model_len=32, max_num_seqs=4, max_num_batched_tokens=64, page_size=4)
     run = make(cfg, num_pages=10)
-    s = run.scheduler
+    s = run.policy
     assert s.cache is not None
     g = list(range(1, 18))  # 17 tokens: 4 full pages shared with the sibling
     s.add(req("g#0", g, 1))
@@ -122,7 +122,7 @@ def test_a_prefix_match_inside_a_key_pins_only_its_own_pages() -> None:
     # match locks its one page (the key is split there) and the tail is evicted.
     cfg = SchedulerConfig(max_model_len=24, max_num_seqs=2, max_num_batched_tokens=32, page_size=1)
     run = make(cfg, num_pages=24)
-    s = run.scheduler
+    s = run.policy
     assert s.cache is not None
     cached = list(range(1, 17))
     s.add(req("c", cached[:15], 1))

@@ -25,7 +25,7 @@ def test_soak_random_arrivals_aborts_and_preemption(prefix_caching: bool) -> Non
     )
     # 48 sequences of up to ~300 tokens would need ~1,800 pages: 160 forces preemption.
     run = make(cfg, num_pages=160)
-    s = run.scheduler
+    s = run.policy
     shared = [[rng.randrange(VOCAB) for _ in range(rng.randint(8, 120))] for _ in range(6)]
     specs: dict[str, tuple[list[int], int, bool]] = {}
     pending: list[Request] = []

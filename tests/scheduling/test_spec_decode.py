@@ -39,7 +39,7 @@ def repetitive(rng: random.Random, length: int) -> list[int]:
 
 def add(run: Run, rid: str, prompt: list[int], max_tokens: int, **params: object) -> Request:
     r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params))  # type: ignore[arg-type]
-    run.scheduler.add(r)
+    run.policy.add(r)
     return r
 
 
@@ -67,9 +67,9 @@ def test_ngram_drafts_keep_the_outputs_and_are_accepted() -> None:
     drain(run)
     for rid, prompt in prompts.items():
         assert run.finished[rid].output_token_ids == echo_generate(prompt, 24)
-    stats = run.scheduler.stats
+    stats = run.policy.stats
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-    assert run.scheduler.stats.num_steps < 6 * 24 / 4  # several tokens a step
+    assert run.policy.stats.num_steps < 6 * 24 / 4  # several tokens a step
     assert sum(stats.spec_num_accepted_tokens_per_pos) == stats.spec_num_accepted_tokens
     assert_pool_clean(run)
 
@@ -81,18 +81,18 @@ def test_runner_proposals_are_verified_and_their_pages_reserved() -> None:
     for rid, prompt in prompts.items():
         add(run, rid, prompt, 20)
     batches = 0
-    while run.scheduler.has_work:
+    while run.policy.has_work:
         batch = step(run)
         assert batch is not None
         batches += 1
         assert batches < 500
-        for req in run.scheduler.running:  # rejected drafts' pages went back at once
+        for req in run.policy.running:  # rejected drafts' pages went back at once
             assert len(req.pages) == -(-req.num_tokens // 4)
             if req.output_token_ids:  # kept drafts count as computed: only the new token is left
                 assert req.num_tokens - req.num_computed_tokens == 1
     for rid, prompt in prompts.items():
         assert run.finished[rid].output_token_ids == reference_generate(prompt, 20, VOCAB)
-    stats = run.scheduler.stats
+    stats = run.policy.stats
     # The fake drafter gets two of every three tokens right: some drafts are kept, some not.
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert stats.spec_num_accepted_tokens_per_pos[0] > stats.spec_num_accepted_tokens_per_pos[2]
@@ -114,10 +114,10 @@ def test_a_stop_token_inside_the_kept_drafts_ends_the_request_there() -> None:
 def test_drafts_never_pass_max_tokens() -> None:
     run = make(config(DRAFT), num_pages=32)
     req = add(run, "m", [1, 2, 3], 5)
-    while run.scheduler.has_work:
+    while run.policy.has_work:
         batch = step(run)
         assert batch is not None
-        if batch.draft_token_ids is not None:
+        if batch.drafts.token_ids is not None:
             assert len(req.output_token_ids) <= 5
     assert len(req.output_token_ids) == 5
     assert_pool_clean(run)
@@ -129,13 +129,13 @@ def test_a_large_batch_drafts_nothing() -> None:
     run.runner.model = echo
     for i, max_tokens in enumerate((4, 6, 24)):
         add(run, f"r{i}", [5, 6, 7, 8, 5, 6, 7, 8], max_tokens)
-    while run.scheduler.has_work:
-        running = len(run.scheduler.running)
+    while run.policy.has_work:
+        running = len(run.policy.running)
         batch = step(run)
         assert batch is not None
         if running >= 3:
-            assert batch.draft_token_ids is None
-    assert run.scheduler.stats.spec_num_drafts > 0  # drafting resumed as requests finished
+            assert batch.drafts.token_ids is None
+    assert run.policy.stats.spec_num_drafts > 0  # drafting resumed as requests finished
     assert_pool_clean(run)
 
 
@@ -150,11 +150,11 @@ def test_a_request_whose_drafts_fail_cools_down() -> None:
     run.runner.propose = wrong
     req = add(run, "c", [7, 8, 9], 20)
     drafted_at: list[int] = []
-    while run.scheduler.has_work:
+    while run.policy.has_work:
         n_out = len(req.output_token_ids)
         batch = step(run)
         assert batch is not None
-        if batch.draft_token_ids is not None:
+        if batch.drafts.token_ids is not None:
             drafted_at.append(n_out)
     # Two failed drafts (after tokens 1 and 2), then none for the 6 tokens of the cooldown.
     assert drafted_at[:2] == [1, 2]
@@ -171,12 +171,12 @@ def test_busy_steps_draft_only_while_the_engine_acceptance_clears_the_bar(busy_b
     run = make(config(spec), num_pages=256)
     reqs = [add(run, f"r{i}", [4 + i, 5, 6], 120) for i in range(2)]
     steps = drafted = 0
-    while run.scheduler.has_work:
+    while run.policy.has_work:
         batch = step(run)
         assert batch is not None
         steps += 1
-        drafted += batch.draft_token_ids is not None
-    policy = run.scheduler.spec
+        drafted += batch.drafts.token_ids is not None
+    policy = run.policy.spec
     assert policy is not None and policy.acceptance < 0.9
     if busy:  # the first steps (optimistic start), then one probe in PROBE_EVERY steps
         assert drafted <= 6 + steps // PROBE_EVERY
@@ -227,14 +227,14 @@ def test_any_mix_keeps_outputs_and_frees_every_page(
         expected[f"r{i}"] = reference_generate(prompt, max_tokens, VOCAB)
     aborted: set[str] = set()
     for i in range(2000):
-        if not run.scheduler.has_work:
+        if not run.policy.has_work:
             break
-        if abort_every and i % abort_every == abort_every - 1 and run.scheduler.running:
-            victim = rng.choice(run.scheduler.running).request_id
-            run.scheduler.abort(victim)
+        if abort_every and i % abort_every == abort_every - 1 and run.policy.running:
+            victim = rng.choice(run.policy.running).request_id
+            run.policy.abort(victim)
             aborted.add(victim)
         step(run)
-    assert not run.scheduler.has_work
+    assert not run.policy.has_work
     for rid, want in expected.items():
         if rid not in aborted:
             assert run.finished[rid].output_token_ids == want
@@ -253,7 +253,7 @@ def test_drafts_reserve_pages_after_every_request_and_never_preempt_another() ->
         b = add(run, "b", [5, 96], 2)
         drain(run)
         assert a.num_preemptions == b.num_preemptions == 0, spec
-        assert run.scheduler.stats.num_preemptions == 0
+        assert run.policy.stats.num_preemptions == 0
         assert a.output_token_ids == reference_generate([39], 3, VOCAB)
         assert b.output_token_ids == reference_generate([5, 96], 2, VOCAB)
         assert_pool_clean(run)
@@ -264,27 +264,27 @@ def test_proposals_not_taken_by_the_next_step_are_never_verified() -> None:
     # proposals made before it follow an older output and must not be verified after it.
     run = make(config(DRAFT), num_pages=64)
     req = add(run, "p", [2, 7, 1], 30)
-    while req.spec is None or not req.spec.draft_token_ids:
+    while req.drafts is None or not req.drafts.draft_token_ids:
         assert step(run) is not None
-    policy = run.scheduler.spec
+    policy = run.policy.spec
     assert policy is not None
     drafting = policy.start_step
     policy.start_step = lambda num_running: False  # type: ignore[method-assign]
     batch = step(run)
-    assert batch is not None and batch.draft_token_ids is None
+    assert batch is not None and batch.drafts.token_ids is None
     policy.start_step = drafting  # type: ignore[method-assign]
-    drafted = run.scheduler.stats.spec_num_draft_tokens
+    drafted = run.policy.stats.spec_num_draft_tokens
     batch = step(run)
-    assert batch is not None and batch.draft_token_ids is None  # stale: dropped, not verified
-    assert run.scheduler.stats.spec_num_draft_tokens == drafted
+    assert batch is not None and batch.drafts.token_ids is None  # stale: dropped, not verified
+    assert run.policy.stats.spec_num_draft_tokens == drafted
     drain(run)
     assert req.output_token_ids == reference_generate([2, 7, 1], 30, VOCAB)
-    assert run.scheduler.stats.spec_num_draft_tokens > drafted  # fresh proposals are verified again
+    assert run.policy.stats.spec_num_draft_tokens > drafted  # fresh proposals are verified again
     assert_pool_clean(run)
 
 
 def test_a_request_cooling_down_drops_its_proposals() -> None:
-    policy = make(config(DRAFT), num_pages=64).scheduler.spec
+    policy = make(config(DRAFT), num_pages=64).policy.spec
     assert policy is not None
     req = Request("c", [1, 2, 3], SamplingParams(max_tokens=20))
     req.output_token_ids.append(4)

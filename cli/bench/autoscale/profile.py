@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from actors.engine.stats import percentile
+from actors.api import percentile
 from cli.bench.stream_client import stream_request, tpot_s
 
 

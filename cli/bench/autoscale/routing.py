@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from actors.engine.stats import percentile
+from actors.api import percentile
 from cli.bench.autoscale.profile import RequestRecord, make_prompt, stream_completion
 
 PREFIX_HEADER = "X-Flotilla-Prefix"

@@ -44,8 +44,8 @@ import ray
 from ray.actor import ActorHandle
 from tqdm.auto import tqdm
 
+from actors.api import EngineStats, percentile
 from actors.config import EngineConfig
-from actors.engine.stats import EngineStats, percentile
 from actors.load.loader import load_tokenizer, resolve_model_path
 from actors.scheduler.actor import SchedulerActor
 from cli.bench.harness import ray_running
@@ -144,7 +144,7 @@ class Replica:
                     if d.finish_reason is None:
                         continue
                     sent, fut = self._waiting.pop(rid)
-                    if d.error is not None or d.finish_reason not in ("stop", "length"):
+                    if d.error is not None or not d.finish_reason.completed:
                         fut.set_exception(RuntimeError(f"request {rid} ended {d.finish_reason}: {d.error}"))
                         continue
                     fut.set_result(Done(self.index, self._tokens.pop(rid), d.num_prompt_tokens,

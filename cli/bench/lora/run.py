@@ -32,7 +32,7 @@ after a warm-up of two requests each. The scheduler admits in order, and a
 request whose adapter finds every slot pinned by others waits, so the batch
 holds requests of at most ``max_loras`` adapters: ``mean_seqs_per_step``
 shows it. ``slot_loads`` counts the adapters written into slots (each
-``Batch.lora_loads`` entry).
+``Batch.lora.loads`` entry).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def cycle_pass(engine: LLMEngine, label: str, prompts: list[list[int]], loras: l
         deltas = engine.finish_step(batch, engine.execute(batch))
         steps += 1
         seqs += batch.num_seqs
-        loads += len(batch.lora_loads or ())
+        loads += len(batch.lora.loads or ())
         tokens += sum(len(d.token_ids) for d in deltas)
     seconds = time.perf_counter() - t0
     if tokens != max_tokens * len(prompts):

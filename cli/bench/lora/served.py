@@ -44,7 +44,7 @@ import aiohttp
 import openai
 import psutil
 
-from actors.engine.stats import percentile
+from actors.api import percentile
 from actors.load.loader import resolve_model_path
 from cli.bench.harness import free_port, wait_healthy
 from cli.bench.lora.adapters import write_adapters

@@ -41,11 +41,11 @@ def run(model: str, workload: str | Path, *, progress: bool = False, batch1_prom
     prompts = [r["prompt_token_ids"] for r in reqs]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in reqs]
     llm.generate(prompts[:WARMUP_REQUESTS], params[:WARMUP_REQUESTS], use_tqdm=False)
-    steps0, forward0 = llm.engine.scheduler.stats.num_steps, llm.engine.forward_seconds_total
+    steps0, forward0 = llm.engine.policy.stats.num_steps, llm.engine.forward_seconds_total
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=progress)
     dt = time.perf_counter() - t0
-    steps = llm.engine.scheduler.stats.num_steps - steps0
+    steps = llm.engine.policy.stats.num_steps - steps0
     forward_s = llm.engine.forward_seconds_total - forward0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     cap = llm.engine.executor.capacity

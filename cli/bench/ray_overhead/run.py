@@ -38,12 +38,12 @@ CONSUMER = "bench"
 
 def _in_process_run(llm: LLM, reqs: list[dict[str, Any]], params: list[SamplingParams]) -> dict[str, float]:
     prompts = [r["prompt_token_ids"] for r in reqs]
-    steps0 = llm.engine.scheduler.stats.num_steps
+    steps0 = llm.engine.policy.stats.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": dt, "tokens": tokens, "steps": llm.engine.scheduler.stats.num_steps - steps0}
+    return {"seconds": dt, "tokens": tokens, "steps": llm.engine.policy.stats.num_steps - steps0}
 
 
 def _ray_run(actor: Any, reqs: list[dict[str, Any]], params: list[SamplingParams], tag: str) -> dict[str, float]:

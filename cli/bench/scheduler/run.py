@@ -15,9 +15,9 @@ from typing import Any
 from kvcache.page_allocator import PageAllocator
 from kvcache.radix_cache import RadixCache
 from scheduling.batch import StepOutput, TokenLogprobs
+from scheduling.policy import BatchPolicy
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
 from scheduling.scheduler_config import SchedulerConfig
 
 
@@ -31,7 +31,7 @@ def bench_decode_step(num_running: int, *, num_steps: int = 200, page_size: int 
         max_model_len=prompt_len + max_tokens, max_num_seqs=num_running,
         max_num_batched_tokens=max(num_running, prompt_len * 8), page_size=page_size,
     )
-    sched = Scheduler(cfg, PageAllocator(pages_per_seq * num_running + 16))
+    sched = BatchPolicy(cfg, PageAllocator(pages_per_seq * num_running + 16))
     rng = random.Random(0)
     for i in range(num_running):
         prompt = [rng.randrange(256) for _ in range(prompt_len)]

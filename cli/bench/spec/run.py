@@ -129,7 +129,7 @@ def run(model: str, workload: str | Path, *, speculative_config: str | dict[str,
                   for r in reqs]
         for llm in (baseline, spec):  # warm-up, as bench offline does; not counted
             llm.generate(prompts[:WARMUP_REQUESTS], params[:WARMUP_REQUESTS], use_tqdm=False)
-        stats = spec.engine.scheduler.stats
+        stats = spec.engine.policy.stats
         start = SpecCounters.of(stats)
         per_run = []
         for _ in range(runs):

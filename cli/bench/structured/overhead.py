@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 
+from actors.api import FinishReason
 from actors.engine.llm_engine import LLMEngine
-from actors.engine.prompt_ids import chat_ids
 from actors.grammar.masks import apply_token_masks
+from actors.tokenizing import chat_ids
 from apps.llm import LLM
 from cli.bench.harness import OFFLINE_ENGINE_DEFAULTS
 from cli.bench.stats import median_of_known, ratio
@@ -93,7 +94,7 @@ def build_workload(cases: list[SchemaCase], tokenizer: Any, batch_size: int, max
 
 
 def drive(engine: LLMEngine, label: str, prompts: list[list[int]], params: list[SamplingParams]
-          ) -> tuple[list[StepSample], dict[str, str | None]]:
+          ) -> tuple[list[StepSample], dict[str, FinishReason]]:
     """Add the batch, step until it ends; returns every step and each request's finish reason."""
     if engine.has_unfinished:
         raise RuntimeError("the overhead runs need an idle engine")
@@ -102,7 +103,7 @@ def drive(engine: LLMEngine, label: str, prompts: list[list[int]], params: list[
     # Each step computes at least one token of some request: a bound no healthy run reaches.
     max_steps = sum(len(ids) for ids in prompts) + sum(p.max_tokens for p in params) + 1
     steps: list[StepSample] = []
-    reasons: dict[str, str | None] = {}
+    reasons: dict[str, FinishReason] = {}
     while engine.has_unfinished:
         if len(steps) >= max_steps:
             raise RuntimeError(f"{label}: still unfinished after {max_steps} steps")
@@ -181,7 +182,7 @@ def run(model: str, cases: list[SchemaCase], *, schema_set: str, batch_size: int
             a_steps, reasons = drive(eng, f"mixed{k}", work.prompts, work.mixed)
             b_steps, _ = drive(eng, f"free{k}", work.prompts, work.unconstrained)
             a, b = run_figures(a_steps, batch_size), run_figures(b_steps, batch_size)
-            early_k = sum(reasons[f"mixed{k}-{i}"] != "length" for i in work.constrained_rows)
+            early_k = sum(reasons[f"mixed{k}-{i}"] is not FinishReason.LENGTH for i in work.constrained_rows)
             early += early_k
             per_run.append({"mixed": a, "unconstrained": b, "constrained_finished_early": early_k,
                             "engine_grammar_ms_per_step": round(sum(s.grammar_seconds for s in a_steps) * 1e3

@@ -74,7 +74,7 @@ def assert_no_kv_left(llm: LLM) -> None:
     """Nothing running, no page held by a request, and none in the prefix cache."""
     engine = llm.engine
     assert not engine.has_unfinished and len(engine.embeddings) == 0
-    cache = engine.scheduler.cache
+    cache = engine.policy.cache
     assert cache is None or cache.num_cached_pages == 0
     engine.allocator.check_integrity()
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
@@ -152,15 +152,15 @@ def test_an_embedding_beside_generation_changes_no_token_and_gets_its_vector(
     assert (emb.token_ids, emb.text, emb.finish_reason) == ([], "", "stop") and emb.embedding is not None
     assert max_error(emb.embedding, hf_embedding(hf, embed_ids, pooling)) < TOL
     # It shared a step with sampled sequences, and was never one of them.
-    mixed = [b for b in batches if b.pool_indices and b.sample_indices]
-    assert mixed and all(not set(b.pool_indices or ()) & set(b.sample_indices) for b in batches)
+    mixed = [b for b in batches if b.pooling.indices and b.sample_indices]
+    assert mixed and all(not set(b.pooling.indices or ()) & set(b.sample_indices) for b in batches)
     assert all(o.outputs[0].embedding is None for i, o in enumerate(outs) if i != 1)
-    llm.engine.scheduler.cache.reset()  # type: ignore[union-attr]  # the generations' cached prompts
+    llm.engine.policy.cache.reset()  # type: ignore[union-attr]  # the generations' cached prompts
     assert_no_kv_left(llm)
 
 
 def test_prefix_caching_neither_serves_nor_keeps_an_embedding(llm: LLM, llama: tuple[Path, PreTrainedModel]) -> None:
-    hf, cache, stats = llama[1], llm.engine.scheduler.cache, llm.engine.scheduler.stats
+    hf, cache, stats = llama[1], llm.engine.policy.cache, llm.engine.policy.stats
     assert cache is not None and cache.num_cached_pages == 0
     text = TEXTS[7]  # 66 tokens: four full pages of 16
     first = llm.embed(text, use_tqdm=False)
@@ -193,13 +193,13 @@ def test_a_preempted_embedding_pools_from_scratch(llama: tuple[Path, PreTrainedM
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outs = llm.generate([g_ids, *e_ids], [greedy, SamplingParams(pooling=pooling), SamplingParams(pooling=pooling)],
                         use_tqdm=False)
-    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert llm.engine.policy.stats.num_preemptions > 0
     assert outs[0].outputs[0].token_ids == hf_greedy(hf, g_ids, 10)
     for out, ids in zip(outs[1:], e_ids, strict=True):
         assert out.outputs[0].embedding is not None
         assert max_error(out.outputs[0].embedding, hf_embedding(hf, ids, pooling)) < TOL
-    assert llm.engine.scheduler.cache is not None
-    llm.engine.scheduler.cache.reset()  # g's cached prompt
+    assert llm.engine.policy.cache is not None
+    llm.engine.policy.cache.reset()  # g's cached prompt
     assert_no_kv_left(llm)
 
 

@@ -105,7 +105,7 @@ def assert_decode_path(llm: LLM) -> None:
 
 def assert_pool_clean(llm: LLM) -> None:
     """Every KV page is free once the prefix cache lets go of its (unlocked) pages."""
-    sched = llm.engine.scheduler
+    sched = llm.engine.policy
     alloc = sched.allocator
     alloc.check_integrity()
     cached = sched.cache.num_cached_pages if sched.cache is not None else 0
@@ -127,7 +127,7 @@ def test_greedy_matches_hf(model_case: tuple[Path, list[list[int]], Any], mode: 
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
     assert_decode_path(llm)
-    stats = llm.engine.scheduler.stats
+    stats = llm.engine.policy.stats
     if mode == "preemption":
         assert stats.num_preemptions > 0
     if mode == "prefix_on":

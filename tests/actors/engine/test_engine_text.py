@@ -15,10 +15,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from actors.api import SequenceDelta
 from actors.config import EngineConfig
 from actors.engine.executor import Executor
 from actors.engine.llm_engine import LLMEngine
-from actors.engine.outputs import SequenceDelta
 from kvcache.kv_pool import KVCapacity
 from scheduling.batch import Batch, StepOutput
 from scheduling.errors import InvalidParameterError
@@ -78,7 +78,7 @@ def _run(model_dir: Path, script: list[int], params: SamplingParams) -> tuple[st
     while engine.has_unfinished:
         deltas += engine.step()
     assert not executor.script, "the script was not used up"
-    cache = engine.scheduler.cache
+    cache = engine.policy.cache
     assert cache is not None and cache.num_locked_pages == 0
     cache.reset()
     assert engine.allocator.num_free_pages == _NUM_PAGES

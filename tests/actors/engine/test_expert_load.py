@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 import torch
 
+from actors.api import LatencyWindow
+from actors.commands import ReadExpertTokens
 from actors.config import EngineConfig
-from actors.engine.stats import LatencyWindow, snapshot
+from actors.engine.stats import snapshot
 from actors.load.embedded import build_tokenizer
 from actors.scheduler.actor import SchedulerService
 from apps.llm import LLM
@@ -65,10 +67,10 @@ def _hf_counts(family: str, sequences: list[list[int]]) -> list[list[int]]:
 def test_expert_counts_are_the_routed_tokens(tmp_path: Path, family: str, backend: str) -> None:
     llm = LLM(str(_checkpoint(tmp_path, family)), **ENGINE, **BACKENDS[backend])
     try:
-        before = llm.engine.executor.expert_tokens()
+        before = llm.engine.executor.command(ReadExpertTokens())
         prompts = PROMPTS[:NUM_PROMPTS]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        counts = llm.engine.executor.expert_tokens()
+        counts = llm.engine.executor.command(ReadExpertTokens())
         stats = snapshot(llm.engine, LatencyWindow(), counts)
     finally:
         llm.shutdown()
@@ -94,7 +96,7 @@ def test_a_dense_model_exposes_no_expert_series(tiny_dir: Path) -> None:
     llm = LLM(str(tiny_dir), **ENGINE)
     try:
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-        counts = llm.engine.executor.expert_tokens()
+        counts = llm.engine.executor.command(ReadExpertTokens())
         stats = snapshot(llm.engine, LatencyWindow(), counts)
     finally:
         llm.shutdown()
@@ -114,7 +116,7 @@ def test_scheduler_stats_carry_the_counts(tmp_path: Path) -> None:
         svc = SchedulerService(config)
         try:
             await svc.generate("a", PROMPTS[0], GREEDY)
-            return (await svc.stats()).moe_expert_tokens, svc._engine.executor.expert_tokens()
+            return (await svc.stats()).moe_expert_tokens, svc._engine.executor.command(ReadExpertTokens())
         finally:
             await svc.shutdown()
 

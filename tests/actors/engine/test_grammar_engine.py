@@ -102,7 +102,7 @@ def test_constrained_tokens_do_not_depend_on_scheduling(model_dir: Path, referen
     llm = LLM(str(model_dir), **{**ENGINE, **GRAMMAR_MODES[mode]})
     assert run(llm) == reference
     if mode == "preemption":  # preempted sequences keep their matcher: it stands after their kept output
-        assert llm.engine.scheduler.stats.num_preemptions > 0
+        assert llm.engine.policy.stats.num_preemptions > 0
     if mode == "prefix_on":
         assert run(llm) == reference
     assert_pages_free(llm)
@@ -116,7 +116,7 @@ def test_constrained_tokens_do_not_depend_on_scheduling(model_dir: Path, referen
 def test_drafts_are_verified_against_the_grammar(model_dir: Path, reference: list[list[int]], spec: dict[str, Any]) -> None:
     llm = LLM(str(model_dir), **ENGINE, speculative_config=spec)
     assert run(llm) == reference
-    stats = llm.engine.scheduler.stats
+    stats = llm.engine.policy.stats
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     assert_pages_free(llm)
     llm.shutdown()

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
+from actors.api import EngineStats, SequenceDelta
 from actors.config import EngineConfig
-from actors.engine.outputs import SequenceDelta
-from actors.engine.stats import EngineStats
 from actors.scheduler.actor import SchedulerService
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams

@@ -14,9 +14,8 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError, OwnerDiedError, RayActorError, RayTaskError
 
+from actors.api import EngineStats, PrefillResult
 from actors.config import EngineConfig
-from actors.engine.disaggregation import PrefillResult
-from actors.engine.stats import EngineStats
 from actors.scheduler.actor import SchedulerActor, SchedulerService
 from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.engine.test_kv_handoff import ENGINE, GREEDY, PROMPTS, assert_all_free

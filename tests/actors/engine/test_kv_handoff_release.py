@@ -17,12 +17,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import ray
 import torch
 
+from actors.api import EngineStats, PrefillResult, SequenceDelta
 from actors.config import EngineConfig
-from actors.engine.disaggregation import PrefillResult
-from actors.engine.outputs import SequenceDelta
-from actors.engine.stats import EngineStats
 from actors.scheduler.actor import SchedulerService
 from apps.replica.disaggregation import split_pd
 from kvcache.kv_transfer import KVPayload
@@ -161,7 +160,9 @@ def test_a_payload_that_does_not_fit_the_pool_is_refused_by_field_before_any_pag
         prefill, decode = SchedulerService(config), SchedulerService(config)
         try:
             result = await prefill.prefill("m", PROMPT, GREEDY)
-            cases = _mismatches(result.kv[0])
+            # With Ray up in this process (another module's cluster) the payloads come as an object-store ref.
+            payloads = ray.get(result.kv) if isinstance(result.kv, ray.ObjectRef) else result.kv
+            cases = _mismatches(payloads[0])
             refused: dict[str, tuple[str, str] | None] = {}
             for name, (kv, _, _) in cases.items():
                 try:

@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 import ray
 
-from actors.config import EngineConfig
-from actors.engine import kv_offload
-from actors.engine.kv_offload import scoped_to_app
+from actors.api import SequenceDelta
+from actors.config import EngineConfig, scoped_to_app
+from actors.engine import kv_tiers
 from actors.engine.llm_engine import LLMEngine
-from actors.engine.outputs import SequenceDelta
 from actors.kv_store import app_of, store_name, store_scope
 from actors.scheduler.step_loop import StepLoop
 from apps.llm import LLM
@@ -55,23 +54,23 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _evict_all(engine: LLMEngine) -> None:
-    cache = engine.scheduler.cache
+    cache = engine.policy.cache
     assert cache is not None
     cache.reset()
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
 
 
 def _assert_all_free(engine: LLMEngine) -> None:
-    cache = engine.scheduler.cache
+    cache = engine.policy.cache
     assert cache is not None and not engine.has_unfinished and cache.num_locked_pages == 0
-    assert len(engine.scheduler.kv.saves) == 0
+    assert len(engine.policy.kv.saves) == 0
     assert engine.allocator.num_free_pages + cache.num_evictable_pages == engine.allocator.num_pages
     cache.check_integrity()
 
 
 def _tier(engine: LLMEngine, name: str) -> dict[str, float]:
-    assert engine.offload is not None
-    return engine.offload.tiers.stats[name].to_dict()
+    assert engine.kv_tiers is not None
+    return engine.kv_tiers.tiers.stats[name].to_dict()
 
 
 def _cached(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -97,7 +96,7 @@ def test_evicted_pages_come_back_with_the_same_tokens(
     assert tokens == reference
     # Every full page of each prompt but the one holding its last token came from a tier.
     assert cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
-    assert engine.scheduler.stats.tier_hit_tokens == sum(cached)
+    assert engine.policy.stats.tier_hit_tokens == sum(cached)
     hits = sum(_tier(engine, t)["hits"] for t in ("host", "disk"))
     assert hits == sum(cached) // 16
     _assert_all_free(engine)
@@ -116,7 +115,7 @@ def test_a_pool_under_pressure_reloads_what_it_evicted(model_dir: Path, referenc
         on, on_cached = _cached(llm_on, prompts)
         assert on == off
     assert sum(on_cached) > sum(off_cached)
-    assert llm_on.engine.scheduler.stats.tier_hit_tokens > 0
+    assert llm_on.engine.policy.stats.tier_hit_tokens > 0
     _assert_all_free(llm_on.engine)
     llm_on.shutdown()
     llm_off.shutdown()
@@ -135,8 +134,8 @@ def test_corrupt_disk_blocks_are_recomputed(model_dir: Path, reference: list[lis
     folder = tmp_path / "blocks"
     llm = LLM(model=str(model_dir), kv_offload={"disk_bytes": 1 << 24, "disk_path": str(folder)}, **ENGINE)
     assert _generate(llm, PROMPTS) == reference
-    assert llm.engine.offload is not None
-    llm.engine.offload.wait_for_saves()
+    assert llm.engine.kv_tiers is not None
+    llm.engine.kv_tiers.wait_for_saves()
     assert _corrupt_every_block(folder) > 0
     _evict_all(llm.engine)
     tokens, cached = _cached(llm, PROMPTS)
@@ -156,8 +155,8 @@ def test_a_full_disk_ends_in_recompute(
     folder = tmp_path / "blocks"
     llm = LLM(model=str(model_dir), kv_offload={"disk_bytes": 1 << 24, "disk_path": str(folder)}, **ENGINE)
     assert _generate(llm, PROMPTS) == reference
-    assert llm.engine.offload is not None
-    llm.engine.offload.wait_for_saves()
+    assert llm.engine.kv_tiers is not None
+    llm.engine.kv_tiers.wait_for_saves()
     _evict_all(llm.engine)
     tokens, cached = _cached(llm, PROMPTS)
     assert tokens == reference and cached == [0] * len(PROMPTS)
@@ -176,14 +175,14 @@ def test_blocks_of_another_dtype_or_model_are_never_used(
     offload = {"disk_bytes": 1 << 24, "disk_path": str(folder)}
     other = LLM(model=str(model_dir), kv_offload=offload, **{**ENGINE, "dtype": "bfloat16"})
     _generate(other, PROMPTS)
-    assert other.engine.offload is not None
-    other.engine.offload.wait_for_saves()
+    assert other.engine.kv_tiers is not None
+    other.engine.kv_tiers.wait_for_saves()
     foreign = sorted(folder.glob("*.kvb"))
     assert foreign
     other.shutdown()
 
     llm = LLM(model=str(model_dir), kv_offload=offload, **ENGINE)
-    offload_engine = llm.engine.offload
+    offload_engine = llm.engine.kv_tiers
     assert offload_engine is not None
     # Forge: the float32 engine's keys for PROMPTS[0], each filed with a bfloat16 block's bytes.
     keys = offload_engine.keys_for(None, PROMPTS[0])
@@ -217,7 +216,7 @@ def test_pending_saves_are_bounded_by_bytes(model_dir: Path, reference: list[lis
     """With the saver stuck (a slow disk or store), the pages handed over wait within ``save_queue_bytes``; the
     rest are dropped and counted, the steps go on, and once the saver runs it files only what was kept."""
     llm = LLM(model=str(model_dir), kv_offload={"host_bytes": 1 << 24, "save_queue_bytes": 3 * PAGE_BYTES}, **ENGINE)
-    offload = llm.engine.offload
+    offload = llm.engine.kv_tiers
     assert offload is not None
     layout = llm.engine.executor.kv_layout
     assert 2 * layout.num_layers * layout.page_size * layout.num_kv_heads * layout.head_dim * 4 == PAGE_BYTES
@@ -247,14 +246,14 @@ def test_an_engine_folder_is_its_own_and_crashed_ones_are_swept(
     assert info.value.param == "kv_offload"
     first.shutdown()
 
-    monkeypatch.setattr(kv_offload, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(kv_tiers, "cache_dir", lambda: tmp_path / "cache")
     crashed = tmp_path / "cache" / "kv_blocks" / "0123456789ab"
     crashed.mkdir(parents=True)
     (crashed / DiskTier.LOCK).touch()
     (crashed / "ab.kvb").write_bytes(b"a crashed replica's block")
     llm = LLM(model=str(model_dir), kv_offload={"disk_bytes": 1 << 24}, **ENGINE)
-    assert llm.engine.offload is not None
-    own = llm.engine.offload._own_disk
+    assert llm.engine.kv_tiers is not None
+    own = llm.engine.kv_tiers._own_disk
     assert own is not None and not crashed.exists()
     assert list((tmp_path / "cache" / "kv_blocks").iterdir()) == [own]
     llm.shutdown()
@@ -265,7 +264,7 @@ def test_an_idle_loop_releases_a_load_that_never_ends(model_dir: Path, reference
     """On an idle replica (the step loop asleep, nothing else to run) a load that never answers holds its
     request no longer than ``load_wait_s``: it then computes its prefix, with the same tokens."""
     llm = LLM(model=str(model_dir), kv_offload={"host_bytes": 1 << 24, "load_wait_s": 0.2}, **ENGINE)
-    engine, offload = llm.engine, llm.engine.offload
+    engine, offload = llm.engine, llm.engine.kv_tiers
     assert offload is not None
     assert _generate(llm, PROMPTS[:1]) == reference[:1]
     offload.wait_for_saves()

@@ -78,7 +78,7 @@ def test_scheduling_modes_do_not_change_tokens(
     assert llm.engine.executor.runner.pool.is_quantized  # type: ignore[attr-defined]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == references[kv]
-    stats = llm.engine.scheduler.stats
+    stats = llm.engine.policy.stats
     if mode == "preemption":
         assert stats.num_preemptions > 0
     if mode == "prefix_on":
@@ -122,6 +122,6 @@ def test_speculative_decoding_on_quantized_pages_keeps_the_tokens(
     llm = LLM(str(model_dir), **ENGINE, kv_cache_dtype=kv, speculative_config=spec)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == references[kv]
-    assert llm.engine.scheduler.stats.spec_num_drafts > 0
+    assert llm.engine.policy.stats.spec_num_drafts > 0
     assert_pages_free(llm)
     llm.shutdown()

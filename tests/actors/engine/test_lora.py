@@ -169,7 +169,7 @@ def test_an_adapter_loaded_again_from_other_files_never_meets_its_old_kv(
     prompt = _prompts(11, 1)[0] * 3  # a few full pages
     expected = peft_greedy(tiny_dir, adapters["attention"], [prompt], MAX_TOKENS)
     llm = _engine(tiny_dir, max_loras=2)
-    cache = llm.engine.scheduler.cache
+    cache = llm.engine.policy.cache
     assert cache is not None
     llm.load_lora("a", str(adapters["all"]))
     old = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a")[0]
@@ -203,9 +203,9 @@ def test_kv_tiers_serve_blocks_only_to_the_weights_that_computed_them(
 
     def run(llm: LLM, lora: str | None) -> tuple[list[int], int]:
         out = llm.generate([prompt], GREEDY, use_tqdm=False, lora=lora)[0]
-        assert llm.engine.offload is not None and llm.engine.scheduler.cache is not None
-        llm.engine.offload.wait_for_saves()
-        llm.engine.scheduler.cache.reset()  # what comes back next comes from a tier or is computed
+        assert llm.engine.kv_tiers is not None and llm.engine.policy.cache is not None
+        llm.engine.kv_tiers.wait_for_saves()
+        llm.engine.policy.cache.reset()  # what comes back next comes from a tier or is computed
         return out.outputs[0].token_ids, out.num_cached_tokens
 
     disk = {"disk_bytes": 1 << 24, "disk_path": str(tmp_path / "blocks")}  # disk only: blocks outlive the engine
@@ -217,7 +217,7 @@ def test_kv_tiers_serve_blocks_only_to_the_weights_that_computed_them(
         assert run(first, "b") == (want["attention"], 0)
         assert run(first, None) == (want["base"], 0)
         assert run(first, "a") == (want["all"], full_pages), offload  # its own blocks do come back
-        assert first.engine.scheduler.stats.tier_hit_tokens == full_pages
+        assert first.engine.policy.stats.tier_hit_tokens == full_pages
         assert_pool_clean(first)
         first.shutdown()
 
@@ -229,7 +229,7 @@ def test_kv_tiers_serve_blocks_only_to_the_weights_that_computed_them(
     second.load_lora("a", str(adapters["rslora"]))  # the name again, weights no engine here computed with
     assert run(second, "a")[1] == 0
     assert run(second, "c") == (want["all"], full_pages)  # the first's "a", under another name
-    assert second.engine.scheduler.stats.tier_hit_tokens == 2 * full_pages
+    assert second.engine.policy.stats.tier_hit_tokens == 2 * full_pages
     assert_pool_clean(second)
     second.shutdown()
 
@@ -259,7 +259,7 @@ def test_preemption_and_abort_with_adapters_free_every_page(tiny_dir: Path, adap
     prompts = _prompts(5, 10)
     params = [replace(GREEDY, max_tokens=16, lora=[None, "a", "b"][i % 3]) for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert llm.engine.policy.stats.num_preemptions > 0
     roomy = _engine(tiny_dir, max_loras=2)
     roomy.load_lora("a", str(adapters["all"]))
     roomy.load_lora("b", str(adapters["mlp"]))
@@ -273,7 +273,7 @@ def test_preemption_and_abort_with_adapters_free_every_page(tiny_dir: Path, adap
         engine.step()
     for i in range(4):
         engine.abort(f"abort-{i}")
-    assert not engine.has_unfinished and engine.scheduler.lora is not None and not any(engine.scheduler.lora.pins)
+    assert not engine.has_unfinished and engine.policy.lora is not None and not any(engine.policy.lora.pins)
     assert_pool_clean(llm)
 
 
@@ -299,8 +299,8 @@ def test_unloading_finishes_requests_in_flight_first(tiny_dir: Path, adapters: d
         for d in engine.step():
             got.setdefault(d.request_id, []).extend(d.token_ids)
     assert [got[f"r{i}"] for i in range(3)] == want
-    assert "a" not in engine.loras.adapters and engine.scheduler.lora is not None
-    assert engine.scheduler.lora.slot_of == {}
+    assert "a" not in engine.loras.adapters and engine.policy.lora is not None
+    assert engine.policy.lora.slot_of == {}
     with pytest.raises(InvalidParameterError):
         llm.unload_lora("a")
     llm.load_lora("a", str(adapters["attention"]))  # the name is free again
@@ -385,6 +385,6 @@ def test_ngram_speculation_with_adapters_keeps_their_tokens(tiny_dir: Path, adap
         llm.load_lora("b", str(adapters["qv"]))
         outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if spec is not None:
-            assert llm.engine.scheduler.stats.spec_num_drafts > 0
+            assert llm.engine.policy.stats.spec_num_drafts > 0
         assert_pool_clean(llm)
     assert outs[True] == outs[False]

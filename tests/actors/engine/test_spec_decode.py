@@ -83,7 +83,7 @@ def spec_config(method: str, draft_dir: Path) -> dict[str, Any]:
 def assert_pages_free(llm: LLM) -> None:
     """Every page is free or held by the prefix cache alone, none locked."""
     engine = llm.engine
-    cache = engine.scheduler.cache
+    cache = engine.policy.cache
     assert not engine.has_unfinished
     evictable = cache.num_evictable_pages if cache is not None else 0
     assert engine.allocator.num_free_pages + evictable == engine.allocator.num_pages
@@ -111,7 +111,7 @@ def test_greedy_tokens_are_unchanged(
 ) -> None:
     llm = LLM(str(target_dir), **ENGINE, **MODES[mode], speculative_config=spec_config(method, draft_dir))
     assert run(llm, GREEDY) == expected[mode]
-    stats = llm.engine.scheduler.stats
+    stats = llm.engine.policy.stats
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     assert stats.num_steps < sum(len(t) for t in expected[mode])  # several tokens in some steps
     assert_pages_free(llm)
@@ -136,7 +136,7 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(
         for lg, lb in zip(g.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert lg.top_token_ids == lb.top_token_ids
             assert lg.logprob == pytest.approx(lb.logprob, abs=1e-4)
-    assert llm.engine.scheduler.stats.spec_num_drafts > 0
+    assert llm.engine.policy.stats.spec_num_drafts > 0
     assert_pages_free(llm)
 
 
@@ -175,9 +175,9 @@ def test_abort_mid_generation_frees_every_page(target_dir: Path, draft_dir: Path
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     for _ in range(100):  # until drafts are in flight, then a few steps more
         engine.step()
-        if engine.scheduler.stats.spec_num_drafts > 2:
+        if engine.policy.stats.spec_num_drafts > 2:
             break
-    assert engine.scheduler.stats.spec_num_drafts > 2 and engine.has_unfinished
+    assert engine.policy.stats.spec_num_drafts > 2 and engine.has_unfinished
     for i in range(len(PROMPTS)):
         engine.abort(f"r{i}")
     assert_pages_free(llm)

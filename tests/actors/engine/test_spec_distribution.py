@@ -82,9 +82,9 @@ def test_first_three_tokens_follow_the_target_distribution(
     baseline: Counter[tuple[int, ...]], engines: dict[str, LLM], method: str
 ) -> None:
     llm = engines[method]
-    before = llm.engine.scheduler.stats.spec_num_draft_tokens, llm.engine.scheduler.stats.spec_num_accepted_tokens
+    before = llm.engine.policy.stats.spec_num_draft_tokens, llm.engine.policy.stats.spec_num_accepted_tokens
     spec = first_tokens(llm)
-    stats = llm.engine.scheduler.stats
+    stats = llm.engine.policy.stats
     drafted = stats.spec_num_draft_tokens - before[0]
     accepted = stats.spec_num_accepted_tokens - before[1]
     # Drafts were verified, and both outcomes happened often: the test exercises acceptance and rejection.

@@ -15,7 +15,7 @@ from actors.grammar.compiler import GrammarCompiler, json_schema_grammar
 from actors.grammar.masks import apply_token_masks
 from actors.grammar.states import GrammarStates
 from actors.load.embedded import build_tokenizer
-from scheduling.batch import Batch, TokenMasks
+from scheduling.batch import Batch, BatchDrafts, TokenMasks
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from scheduling.structured_output import StructuredOutput
@@ -138,7 +138,7 @@ def test_json_strings_never_hold_raw_control_characters(compiler: GrammarCompile
 def _batch(drafts: list[list[int]] | None, n: int) -> Batch:
     p = SamplingParams(temperature=0.0)
     return Batch(0, [0] * n, list(range(n)), [1] * n, [1] * n, [[0]] * n, list(range(n)), [p] * n,
-                 [0] * n, [None] * n, [None] * n, drafts)
+                 [0] * n, [None] * n, [None] * n, BatchDrafts(drafts))
 
 
 def test_masks_look_ahead_through_drafts_and_roll_back(compiler: GrammarCompiler) -> None:

@@ -11,14 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.load.embedded import (
-    EMBEDDED_MODELS,
-    SPECS,
-    bytes_to_unicode,
-    ensure_embedded_model,
-    spec_hash,
-)
+from actors.load.embedded import EMBEDDED_MODELS, SPECS, ensure_embedded_model, spec_hash
 from actors.load.loader import load_model, load_tokenizer
+from actors.tokenizing import bytes_to_unicode
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import greedy, hf_greedy, hf_logits, new_dense, step_logits
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 from gguf import quants
 
-from actors.engine.prompt_ids import chat_ids
 from actors.load.gguf.convert import ensure_gguf_folder
 from actors.load.gguf.dequant import dequantize
 from actors.load.gguf.q4_blocks import GROUP_SIZE, q4_codes
@@ -27,6 +26,7 @@ from actors.load.loader import load_model, load_tokenizer
 from actors.models import quant_linear
 from actors.models.layers import ParallelLinear
 from actors.models.quant_linear import Int4Codes
+from actors.tokenizing import chat_ids
 from scheduling.errors import InvalidParameterError
 from tests.actors.checkpoints import new_dense, step_logits
 from tests.actors.gguf_files import T, gguf_llama_config, write_gguf

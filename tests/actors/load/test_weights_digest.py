@@ -16,7 +16,7 @@ from typing import IO
 import pytest
 
 from actors.config import EngineConfig
-from actors.engine.kv_offload import model_identity
+from actors.engine.kv_tiers import model_identity
 from actors.load import weights_digest
 from actors.load.weights_digest import adapter_digest, file_digest, model_digest
 from apps.llm import LLM
@@ -103,7 +103,7 @@ def test_the_model_identity_follows_weights_swapped_in_place(tmp_path: Path, has
 
 def _generate(llm: LLM) -> tuple[list[int], int]:
     out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
-    assert llm.engine.offload is None or llm.engine.scheduler.stats.tier_hit_tokens == out.num_cached_tokens
+    assert llm.engine.kv_tiers is None or llm.engine.policy.stats.tier_hit_tokens == out.num_cached_tokens
     return out.outputs[0].token_ids, out.num_cached_tokens
 
 
@@ -117,8 +117,8 @@ def test_base_weights_swapped_in_place_meet_none_of_the_old_blocks_on_disk(tmp_p
     offload = {"disk_bytes": 1 << 24, "disk_path": str(tmp_path / "blocks")}
     old = LLM(model=str(folder), kv_offload=offload, **ENGINE)
     old_tokens, _ = _generate(old)
-    assert old_tokens != want and old.engine.offload is not None
-    old.engine.offload.wait_for_saves()
+    assert old_tokens != want and old.engine.kv_tiers is not None
+    old.engine.kv_tiers.wait_for_saves()
     assert list((tmp_path / "blocks").glob("*.kvb"))
     old.shutdown()
 
@@ -127,8 +127,8 @@ def test_base_weights_swapped_in_place_meet_none_of_the_old_blocks_on_disk(tmp_p
     assert (folder / "config.json").read_bytes() == config_json
     new = LLM(model=str(folder), kv_offload=offload, **ENGINE)
     assert _generate(new) == (want, 0)
-    assert new.engine.offload is not None
-    new.engine.offload.wait_for_saves()
+    assert new.engine.kv_tiers is not None
+    new.engine.kv_tiers.wait_for_saves()
     new.shutdown()
     again = LLM(model=str(folder), kv_offload=offload, **ENGINE)
     assert _generate(again) == (want, (len(PROMPT) - 1) // 16 * 16)

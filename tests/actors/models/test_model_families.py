@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from actors.engine.outputs import RequestOutput
+from actors.api import RequestOutput
 from actors.load.embedded import build_tokenizer
 from actors.models.registry import (
     SUPPORTED_ARCHITECTURES,
@@ -99,7 +99,7 @@ def test_greedy_matches_hf_in_every_mode(family: Family, mode: str) -> None:
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _greedy(outs, compared) == want
     if mode == "preemption":
-        assert llm.engine.scheduler.stats.num_preemptions > 0
+        assert llm.engine.policy.stats.num_preemptions > 0
     if mode == "prefix_on":
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert _greedy(again, compared) == want

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from actors.commands import ReadExpertTokens
 from actors.load.embedded import build_tokenizer
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ def test_tp2_and_ep2_on_ray_equal_tp1(ray_cluster: None, tmp_path: Path, family:
     reference = LLM(str(folder), **ENGINE)
     try:
         expected = _tokens(reference)
-        expected_counts = reference.engine.executor.expert_tokens()
+        expected_counts = reference.engine.executor.command(ReadExpertTokens())
     finally:
         reference.shutdown()
     for expert_parallel in (False, True):
@@ -41,8 +42,8 @@ def test_tp2_and_ep2_on_ray_equal_tp1(ray_cluster: None, tmp_path: Path, family:
         try:
             assert _tokens(llm) == expected, f"expert_parallel={expert_parallel}"
             # Every rank routes every token: rank 0's counts (read through the executor) are TP=1's.
-            assert llm.engine.executor.expert_tokens() == expected_counts, f"expert_parallel={expert_parallel}"
-            sched = llm.engine.scheduler
+            assert llm.engine.executor.command(ReadExpertTokens()) == expected_counts, f"expert_parallel={expert_parallel}"
+            sched = llm.engine.policy
             if sched.cache is not None:
                 sched.cache.reset()
             assert sched.allocator.num_free_pages == sched.allocator.num_pages

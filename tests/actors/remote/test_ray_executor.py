@@ -91,7 +91,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 def _assert_pool_clean(llm: LLM) -> None:
     """Every KV page is free once the prefix cache lets go of its pages."""
-    sched = llm.engine.scheduler
+    sched = llm.engine.policy
     if sched.cache is not None:
         assert sched.cache.num_locked_pages == 0
         sched.cache.reset()
@@ -142,7 +142,7 @@ def test_tp2_with_speculation_matches_hf(
               speculative_config={**spec, "busy_min_acceptance": 0.0})
     try:
         assert _tokens(llm) == expected
-        stats = llm.engine.scheduler.stats
+        stats = llm.engine.policy.stats
         assert stats.spec_num_drafts > 0
         if method == "draft_model":  # the target drafting for itself: every greedy draft is right
             assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens

@@ -143,7 +143,7 @@ def test_static_decode_gives_the_dynamic_paths_tokens(tiny: Path, overrides: dic
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 12] and not graphs.captured
     assert graphs.replays > 0 and plain.engine.executor.runner.graphs is None  # type: ignore[attr-defined]
     if overrides:
-        assert llm.engine.scheduler.stats.num_preemptions > 0
+        assert llm.engine.policy.stats.num_preemptions > 0
     for engine in (plain, llm):
         assert_pool_clean(engine)
 

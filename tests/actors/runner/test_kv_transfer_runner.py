@@ -18,7 +18,7 @@ from actors.errors import ExecutorFailure
 from actors.remote.ray_executor import RayExecutor
 from actors.remote.shard_actor import ModelShardActor
 from kvcache.kv_transfer import KVPayload, KVPayloadMismatchError
-from scheduling.batch import Batch, StepOutput
+from scheduling.batch import Batch, BatchKVMoves, StepOutput
 from scheduling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, logprobs=5).sampler_view()
@@ -28,7 +28,7 @@ ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batc
                           "num_kv_pages": 24, "dtype": "float32", "device": "cpu"}
 
 
-def _batch(step: int, seqs: list[tuple[list[int], int, list[int]]], **kv: Any) -> Batch:
+def _batch(step: int, seqs: list[tuple[list[int], int, list[int]]], kv: BatchKVMoves | None = None) -> Batch:
     """Every sequence ``(new_tokens, num_computed, pages)`` samples its last token greedily."""
     return Batch(
         step=step,
@@ -42,13 +42,13 @@ def _batch(step: int, seqs: list[tuple[list[int], int, list[int]]], **kv: Any) -
         num_output_tokens=[0] * len(seqs),
         prompt_token_ids=[None] * len(seqs),
         output_token_ids=[None] * len(seqs),
-        **kv,
+        kv_moves=kv or BatchKVMoves(),
     )
 
 
 def _prefill(executor: Executor, pages: list[int]) -> tuple[int, tuple[KVPayload, ...]]:
     """Prompt through ``executor`` at ``pages``, exporting them: the first token and every rank's payload."""
-    out = executor.execute(_batch(0, [(PROMPT, 0, pages)], kv_exports=[(0, pages)]))
+    out = executor.execute(_batch(0, [(PROMPT, 0, pages)], BatchKVMoves(exports=[(0, pages)])))
     assert out.kv_exports is not None and len(out.kv_exports) == 1
     payloads = out.kv_exports[0]
     assert isinstance(payloads, tuple) and all(isinstance(p, KVPayload) for p in payloads)
@@ -59,8 +59,8 @@ def _decode(executor: Executor, first: int, pages: list[int], imported: tuple[KV
     """``NUM_DECODE`` greedy steps after the prompt; the first step imports ``imported`` into ``pages``."""
     outs, token = [], first
     for i in range(NUM_DECODE):
-        kv = {"kv_imports": [(pages, imported)]} if i == 0 and imported is not None else {}
-        out = executor.execute(_batch(1 + i, [([token], len(PROMPT) + i, pages)], **kv))
+        kv = BatchKVMoves(imports=[(pages, imported)]) if i == 0 and imported is not None else None
+        out = executor.execute(_batch(1 + i, [([token], len(PROMPT) + i, pages)], kv))
         assert out.kv_exports is None
         outs.append(out)
         token = out.token_ids[0]
@@ -96,7 +96,7 @@ def test_import_beside_a_prefill_and_an_export_in_one_step(llama_dir: Path) -> N
     other = PROMPT[::-1]
     out = decode.execute(_batch(
         1, [(other, 0, [5, 6, 7]), ([first], len(PROMPT), [10, 11, 12])],
-        kv_imports=[([10, 11, 12], payloads)], kv_exports=[(0, [5, 6, 7])],
+        BatchKVMoves(imports=[([10, 11, 12], payloads)], exports=[(0, [5, 6, 7])]),
     ))
     got, want = out.logprobs[1], expected.logprobs[0]
     assert out.token_ids[1] == expected.token_ids[0]
@@ -140,14 +140,14 @@ def test_rank_exports_are_zipped_in_rank_order() -> None:
 
 class _FakeRunner:
     def execute(self, batch: Batch) -> StepOutput:
-        return StepOutput([], [], kv_exports=["payload"] if batch.kv_exports else None)
+        return StepOutput([], [], kv_exports=["payload"] if batch.kv_moves.exports else None)
 
 
 def test_shard_other_than_rank0_returns_only_steps_with_exports() -> None:
     shard = ModelShardActor(EngineConfig(**ENGINE), rank=1, world_size=2)
     shard._runner = _FakeRunner()  # type: ignore[assignment]
     assert shard.execute(_batch(0, [(PROMPT, 0, [0, 1, 2])])) is None
-    out = shard.execute(_batch(0, [(PROMPT, 0, [0, 1, 2])], kv_exports=[(0, [0, 1, 2])]))
+    out = shard.execute(_batch(0, [(PROMPT, 0, [0, 1, 2])], BatchKVMoves(exports=[(0, [0, 1, 2])])))
     assert out is not None and out.kv_exports == ["payload"]
 
 

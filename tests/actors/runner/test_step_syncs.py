@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import actors.runner.sampler as sampler_module
+from actors.commands import ReadExpertTokens
 from actors.config import EngineConfig
 from actors.load.embedded import ensure_embedded_model
 from actors.runner.model_runner import ModelRunner
@@ -30,7 +31,7 @@ from kvcache import cpu_kernels, device_copy
 from kvcache.attention.flashinfer import flashinfer_installed
 from kvcache.attention.torch_paged import TorchPagedAttention
 from kvcache.kv_transfer import KVPayload, RankPayloads
-from scheduling.batch import Batch, StepOutput, TokenMasks
+from scheduling.batch import Batch, BatchDrafts, BatchKVMoves, StepOutput, TokenMasks
 from scheduling.sampling_params import SamplingParams
 from scheduling.spec_config import SpeculativeConfig
 from tests.actors.checkpoints import mixtral_config, write_checkpoint
@@ -67,8 +68,7 @@ def _batch(
     parts: list[tuple[_Seq, int, bool]],
     params: list[SamplingParams] | None = None,
     drafts: list[list[int]] | None = None,
-    kv_exports: list[tuple[int, list[int]]] | None = None,
-    kv_imports: list[tuple[list[int], RankPayloads]] | None = None,
+    kv_moves: BatchKVMoves | None = None,
     token_masks: TokenMasks | None = None,
 ) -> Batch:
     """A step over ``parts``: (sequence, new tokens from its end, sampled?); greedy unless ``params``."""
@@ -88,9 +88,8 @@ def _batch(
                           for seq, p in zip(sampled, params, strict=True)],
         output_token_ids=[list(seq.outputs) if p.needs_penalties else None
                           for seq, p in zip(sampled, params, strict=True)],
-        draft_token_ids=drafts,
-        kv_exports=kv_exports,
-        kv_imports=kv_imports,
+        drafts=BatchDrafts(drafts),
+        kv_moves=kv_moves or BatchKVMoves(),
         token_masks=token_masks,
     )
 
@@ -125,7 +124,7 @@ class _Script:
         rows = 0
         for j, seq in enumerate(sampled):  # the kept drafts and the token after them
             kept = 0 if out.num_accepted is None else out.num_accepted[j]
-            drafts = 0 if batch.draft_token_ids is None else len(batch.draft_token_ids[j])
+            drafts = 0 if batch.drafts.token_ids is None else len(batch.drafts.token_ids[j])
             del seq.tokens[len(seq.tokens) - drafts + kept:]
             new = out.token_ids[rows + kept]
             seq.tokens.append(new)
@@ -148,7 +147,7 @@ class _Script:
         masks = TokenMasks(rows=[1], bitmask=torch.tensor([_mask_row(range(40, 90), vocab)], dtype=torch.int32))
         self.step("structured", _batch(7, [(a, 1, True), (b, 1, True)], token_masks=masks), [a, b])
         d = _Seq(_prompt(37, 13), [6, 7, 8])
-        out = self.step("kv_export", _batch(8, [(d, 37, True), (c, 1, True)], kv_exports=[(0, d.pages)]), [d, c])
+        out = self.step("kv_export", _batch(8, [(d, 37, True), (c, 1, True)], kv_moves=BatchKVMoves(exports=[(0, d.pages)])), [d, c])
         assert out.kv_exports is not None
         payload = out.kv_exports[0]
         assert isinstance(payload, KVPayload)
@@ -157,7 +156,7 @@ class _Script:
         e.tokens.append(d.tokens[37])
         e.outputs.append(d.tokens[37])
         imports: list[tuple[list[int], RankPayloads]] = [(e.pages, (payload,))]
-        self.step("kv_import", _batch(9, [(e, 1, True), (c, 1, True)], kv_imports=imports), [e, c])
+        self.step("kv_import", _batch(9, [(e, 1, True), (c, 1, True)], kv_moves=BatchKVMoves(imports=imports)), [e, c])
         # Three drafts to verify after a's pending token; b beside it has none.
         a.tokens += [a.tokens[-1], 12, 13]
         self.step("spec_verify", _batch(10, [(a, 4, True), (b, 1, True)], [SAMPLED[0], GREEDY],
@@ -171,11 +170,11 @@ def _drafting_steps(
     """A prompt that proposes drafts, then a step verifying them that proposes the next ones."""
     script = _Script(runner, cuda_sync_errors=cuda_sync_errors)
     a = _Seq(_prompt(20, 3), [0, 1])
-    out = script.step("draft", replace(_batch(0, [(a, 20, True)]), num_propose=[3]), [a])
+    out = script.step("draft", replace(_batch(0, [(a, 20, True)]), drafts=BatchDrafts(num_propose=[3])), [a])
     assert out.draft_token_ids is not None and len(out.draft_token_ids[0]) == 3
     a.tokens += out.draft_token_ids[0]
     verify = _batch(1, [(a, 4, True)], drafts=[out.draft_token_ids[0]])
-    script.step("draft", replace(verify, num_propose=[3]), [a])
+    script.step("draft", replace(verify, drafts=replace(verify.drafts, num_propose=[3])), [a])
     return script.results
 
 
@@ -315,7 +314,7 @@ def test_static_decode_of_a_moe_model_waits_once(tmp_path: Path, monkeypatch: py
     for kind, counter, _ in _static_decode_steps(runner, kernel_files=(flashinfer_emulator.__file__,)):
         assert counter.calls == [] and counter.allowed == 1, (kind, counter.calls, counter.allowed)
     # 46 prompt tokens, then 3 and 2 decoded (padded to 4 and 2): 51 tokens, top-2, in each of the 2 layers.
-    assert [sum(layer) for layer in runner.expert_tokens()] == [102, 102]
+    assert [sum(layer) for layer in runner.command(ReadExpertTokens())] == [102, 102]
 
 
 def test_runner_takes_the_cuda_attention_path(tiny: Path) -> None:

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
+from actors.api import EngineStats, RequestOutput
 from actors.config import EngineConfig
-from actors.engine.outputs import RequestOutput
-from actors.engine.stats import EngineStats
 from actors.remote.cpu_threads import usable_cores
 from actors.scheduler.local import LocalScheduler, with_forward_threads
 from apps.llm import LLM

@@ -14,8 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from actors.engine.prompt_ids import chat_ids, template_supports_tools
 from actors.load.loader import load_tokenizer
+from actors.tokenizing import chat_ids, template_supports_tools
 from apps.inputs.params import chat_prompt, parse_request, to_sampling_params
 from apps.protocol import models as P
 from apps.protocol.errors import error_response

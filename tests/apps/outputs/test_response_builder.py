@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletionChunk
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from actors.engine.outputs import SequenceDelta
+from actors.api import FinishReason, SequenceDelta
 from actors.load.loader import load_tokenizer
 from apps.inputs.kind import RequestKind
 from apps.outputs.response_builder import ResponseBuilder
@@ -25,7 +25,8 @@ def tiny_text(tiny_model_dir: Path) -> TokenText:
 
 def _d(index: int, token_ids: list[int], text: str, finish: str | None = None) -> SequenceDelta:
     entries = [TokenLogprobs(t, -0.5, [t], [-0.5]) for t in token_ids]
-    return SequenceDelta("r", index, token_ids, text, entries, finish, num_prompt_tokens=3)
+    return SequenceDelta(request_id="r", index=index, token_ids=token_ids, text=text, logprobs=entries,
+                         finish_reason=None if finish is None else FinishReason(finish), num_prompt_tokens=3)
 
 
 def _builder(kind: str, text: TokenText, n: int, logprobs: bool = True) -> ResponseBuilder:
@@ -54,7 +55,7 @@ def test_text_offsets_index_the_emitted_text(tiny_text: TokenText) -> None:
     whole = _builder("completion", tiny_text, 1)
     for delta in deltas:
         whole.add(delta)
-    [choice] = whole.choices(["length"])
+    [choice] = whole.choices([FinishReason.LENGTH])
     Completion.model_validate({"id": "r", "object": "text_completion", "created": 1, "model": "tiny",
                                "choices": [choice]})
     assert choice["text"] == "éxy"
@@ -67,14 +68,14 @@ def test_text_offsets_index_the_emitted_text(tiny_text: TokenText) -> None:
     odd = _builder("completion", tiny_text, 1)
     for delta in [_d(0, [0xA3], ""), _d(0, [ord("^")], "\ufffd^"), _d(0, [300], ""), _d(0, [ord("z")], "z")]:
         odd.add(delta)
-    [choice] = odd.choices(["length"])
+    [choice] = odd.choices([FinishReason.LENGTH])
     assert choice["text"] == "\ufffd^z" and choice["logprobs"]["text_offset"] == [0, 1, 2, 2]
 
 
 def test_chat_logprob_bytes_are_the_tokens_own(tiny_text: TokenText) -> None:
     out = _builder("chat", tiny_text, 1)
     out.add(_d(0, [0xC3, 0xA9], "é", "stop"))
-    [choice] = out.choices(["stop"])
+    [choice] = out.choices([FinishReason.STOP])
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == ["\ufffd", "\ufffd"]  # each half alone is not text
     assert [c["bytes"] for c in content] == [[0xC3], [0xA9]]

@@ -6,14 +6,15 @@ import asyncio
 
 import pytest
 
-from actors.engine.outputs import SequenceDelta
+from actors.api import FinishReason, SequenceDelta
 from apps.outputs.stream_fanout import RequestStream
 from apps.protocol.errors import APIError
 
 
 def _d(index: int, text: str, finish: str | None = None, error: str | None = None) -> SequenceDelta:
-    return SequenceDelta("r", index, [] if finish == "error" else [7], text, None, finish, num_prompt_tokens=3,
-                         error=error)
+    reason = None if finish is None else FinishReason(finish)
+    return SequenceDelta(request_id="r", index=index, token_ids=[] if reason is FinishReason.ERROR else [7], text=text,
+                         logprobs=None, finish_reason=reason, num_prompt_tokens=3, error=error)
 
 
 def test_next_many_drains_what_is_queued_and_holds_back_an_error() -> None:

@@ -19,8 +19,9 @@ from typing import cast
 
 import pytest
 
-from actors.engine.lora_registry import LoRAUnloadingError
-from actors.runner.lora_manager import LoRAInfo
+from actors.api import LoRAInfo
+from actors.commands import AddLoRA, RemoveLoRA
+from actors.errors import LoRAUnloadingError
 from actors.scheduler.handle import SchedulerHandle
 from apps.outputs.http_responses import RETRY_AFTER_S, error_json
 from apps.protocol.errors import APIError
@@ -51,14 +52,18 @@ class LocalCatalog:
 
 
 class Engine:
-    """The scheduler handle's LoRA calls, recorded; a load yields once so concurrent callers overlap."""
+    """The scheduler handle's LoRA commands, recorded; a load yields once so concurrent callers overlap."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.unreadable: set[str] = set()  # folders refused as LoRAManager refuses them, naming the folder
         self.reloading: set[str] = set()  # folders whose name's old adapter still serves requests (LoRARegistry)
 
-    async def add_lora(self, name: str, path: str) -> LoRAInfo:
+    async def command(self, cmd: AddLoRA | RemoveLoRA) -> LoRAInfo | None:
+        if isinstance(cmd, RemoveLoRA):
+            self.calls.append(("remove", cmd.name))
+            return None
+        name, path = cmd.name, cmd.path
         await asyncio.sleep(0)
         self.calls.append(("add", f"{name}={path}"))
         if path in self.unreadable:
@@ -67,9 +72,6 @@ class Engine:
             raise LoRAUnloadingError("lora_name", f"the adapter {name!r} is still being unloaded")
         return LoRAInfo(name=name, path=str(Path(path)), rank=8, targets=("q_proj",),
                         key=f"digest-{name}")  # as LoRAManager.add  # fmt: skip
-
-    async def remove_lora(self, name: str) -> None:
-        self.calls.append(("remove", name))
 
 
 def _replicas(runtime_updates: bool = True) -> tuple[LocalCatalog, list[Engine], list[ReplicaLoRAs]]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from actors.engine.disaggregation import PrefillResult
+from actors.api import PrefillResult
 from apps.builder import build_app
 from apps.protocol.errors import APIError
 from apps.replica.disaggregation import (

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from actors.engine.outputs import SequenceDelta
-from actors.scheduler.step_messages import HealthStatus, StepMessage
+from actors.api import FinishReason, HealthStatus, SequenceDelta, StepMessage
 from apps.outputs.stream_fanout import RequestStream, StreamFanout
 from apps.protocol.errors import APIError
 from apps.replica.server import LLMServer
@@ -65,7 +64,8 @@ def test_health_check_passes_when_ok_or_restarting(status: HealthStatus) -> None
 
 
 def _delta(rid: str, text: str, finish: str | None = None) -> SequenceDelta:
-    return SequenceDelta(rid, 0, [1], text, None, finish, num_prompt_tokens=3)
+    return SequenceDelta(request_id=rid, index=0, token_ids=[1], text=text, logprobs=None,
+                         finish_reason=None if finish is None else FinishReason(finish), num_prompt_tokens=3)
 
 
 def test_a_transient_poll_error_keeps_open_streams() -> None:

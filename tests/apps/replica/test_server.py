@@ -12,8 +12,7 @@ import yaml
 from ray import serve
 from ray.exceptions import ActorDiedError
 
-from actors.engine.outputs import SequenceDelta
-from actors.scheduler.step_messages import StepMessage
+from actors.api import FinishReason, SequenceDelta, StepMessage
 from apps.builder import build_app, split_args
 from apps.llm import LLM
 from apps.outputs.stream_fanout import RequestStream, StreamFanout
@@ -38,7 +37,8 @@ class _FakeActor:
 
 
 def _delta(rid: str, index: int, text: str, finish: str | None = None) -> SequenceDelta:
-    return SequenceDelta(rid, index, [1], text, None, finish, num_prompt_tokens=3)
+    return SequenceDelta(request_id=rid, index=index, token_ids=[1], text=text, logprobs=None,
+                         finish_reason=None if finish is None else FinishReason(finish), num_prompt_tokens=3)
 
 
 def test_fanout_routes_per_request_and_fails_open_requests() -> None:

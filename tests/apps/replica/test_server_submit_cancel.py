@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from actors.engine.disaggregation import PrefillResult
+from actors.api import PrefillResult
 from apps.inputs.kind import RequestKind
 from apps.protocol import models as p
 from apps.replica.disaggregation import RemotePrefill

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from actors.engine.outputs import SequenceDelta
+from actors.api import FinishReason, SequenceDelta
 from actors.load.loader import load_tokenizer
 from apps.inputs.kind import RequestKind
 from apps.outputs.response_builder import ResponseBuilder
@@ -174,7 +174,8 @@ def test_chunk_deltas_send_each_opening_alone_then_joined_arguments() -> None:
     assert [c["finish_reason"] for c in got] == [None, None, None, "tool_calls"]
     assert chunk_deltas(0, [], None, None, has_tokens=False) == []
     assert chunk_deltas(0, [], "stop", None, has_tokens=False)[0]["finish_reason"] == "stop"
-    assert (finish_reason("stop", True), finish_reason("length", True), finish_reason("stop", False)) == (
+    stop, length = FinishReason.STOP, FinishReason.LENGTH
+    assert (finish_reason(stop, True), finish_reason(length, True), finish_reason(stop, False)) == (
         "tool_calls", "length", "stop")
 
 
@@ -186,7 +187,8 @@ def tiny_text(tiny_model_dir: Path) -> TokenText:
 
 def _deltas(index: int, text: str, size: int, finish: str) -> list[SequenceDelta]:
     parts = [text[k:k + size] for k in range(0, len(text), size)]
-    return [SequenceDelta("r", index, [1], part, None, finish if k == len(parts) - 1 else None)
+    return [SequenceDelta(request_id="r", index=index, token_ids=[1], text=part, logprobs=None,
+                          finish_reason=FinishReason(finish) if k == len(parts) - 1 else None)
             for k, part in enumerate(parts)]
 
 
@@ -197,7 +199,7 @@ def _whole_and_streamed(tiny_text: TokenText, make: Any, texts: list[str], finis
         for d in _deltas(i, text, 100, finish):
             whole.add(d)
     response = ChatCompletion.model_validate(RequestKind.CHAT.shape.response(
-        "r", "tiny", 1, whole.choices([finish] * len(texts)), {"prompt_tokens": 1, "completion_tokens": 1,
+        "r", "tiny", 1, whole.choices([FinishReason(finish)] * len(texts)), {"prompt_tokens": 1, "completion_tokens": 1,
                                                                 "total_tokens": 2}))
     stream = ResponseBuilder(RequestKind.CHAT, "tiny", 1, False, tiny_text.text, tiny_text.bytes_of, len(texts), make)
     state = ChatCompletionStreamState(input_tools=tools)  # type: ignore[arg-type]

@@ -1,4 +1,8 @@
-"""``EngineConfig.kv_offload``: which KV tiers an engine keeps prefix pages in (``kvcache.kv_tiers``)."""
+"""``EngineConfig.kv_offload``: which KV tiers an engine keeps prefix pages in (``kvcache.kv_tiers``).
+
+The feature is the KV tiers throughout the code and docs (docs/kv_tiers.md); ``kv_offload`` is only the
+name of its user-facing option (config key, ``--kv-offload``), kept as it is.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True)
-class KVOffloadConfig:
+class KVTiersConfig:
     """``EngineConfig.kv_offload``: which tiers an engine keeps evicted prefix pages in.
 
     ``host_bytes``: host memory for blocks (0: no host tier). ``disk_bytes``:
@@ -69,9 +73,9 @@ class KVOffloadConfig:
             raise CacheConfigError("kv_offload", "every tier is off: set host_bytes, disk_bytes or cluster")
 
     @classmethod
-    def parse(cls, value: KVOffloadConfig | dict[str, object] | str | None) -> KVOffloadConfig | None:
+    def parse(cls, value: KVTiersConfig | dict[str, object] | str | None) -> KVTiersConfig | None:
         """From a config, a dict, or its JSON text (``--kv-offload``); None stays None."""
-        if value is None or isinstance(value, KVOffloadConfig):
+        if value is None or isinstance(value, KVTiersConfig):
             return value
         if isinstance(value, str):
             try:

@@ -1,6 +1,6 @@
 """Continuous batching: one ``Batch`` per engine step, under a token budget.
 
-Each step the scheduler first serves running requests in admission order
+Each step the policy first serves running requests in admission order
 (decodes and unfinished prompt chunks), reserving KV pages for the tokens
 they compute; when pages run out it evicts unlocked prefix-cache pages, then
 preempts running requests by recompute, newest first (as vLLM does under
@@ -31,7 +31,7 @@ nothing: they never look up the prefix cache (pooling needs every prompt
 row computed), their pages are freed outright when they end (the tree never
 holds them: no later request gets a hit from an embedding), and they finish
 in the step that computes their prompt's last token. Their pooled rows come
-back per step (``SchedulerUpdate.pooled``); pooling them is the engine's.
+back per step (``PolicyUpdate.pooled``); pooling them is the engine's.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ from kvcache.errors import CacheConfigError
 from kvcache.kv_transfer import RankPayloads
 from kvcache.page_allocator import PageAllocator
 from kvcache.radix_cache import PrefixMatch, RadixCache
-from scheduling.batch import Batch, StepOutput
+from scheduling.batch import Batch, BatchKVMoves, BatchLoRA, StepOutput
 from scheduling.batch_builder import Scheduled, build_batch
 from scheduling.errors import InvalidParameterError
+from scheduling.finish_reason import FinishReason
 from scheduling.kv_handoff import drop_unwritten, imports_written, kv_exports, take_imported
 from scheduling.kv_tiers import tier_pages
 from scheduling.lora_slots import NO_LORA, LoRASlots
@@ -64,7 +65,7 @@ _NO_DRAFTS: list[int] = []
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerUpdate:
+class PolicyUpdate:
     """What one step changed: the tokens sampled and the requests that ended.
 
     ``sampled`` holds (request, its new token ids (one, or more when drafts
@@ -83,8 +84,12 @@ class SchedulerUpdate:
     pooled: list[tuple[Request, int, int]]
 
 
-class Scheduler:
-    """Owns the waiting and running queues and every request's KV pages."""
+class BatchPolicy:
+    """Decides each step's batch; owns the waiting and running queues and every request's KV pages.
+
+    Configured by ``SchedulerConfig``. Not to be confused with the scheduler actor (``actors.scheduler``),
+    the Ray actor whose engine loop calls this policy once per step.
+    """
 
     def __init__(
         self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache | None = None
@@ -156,7 +161,7 @@ class Scheduler:
         elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         self._release(req)
-        req.finish_reason = "abort"
+        req.finish_reason = FinishReason.ABORT
         req.set_status(RequestStatus.ABORTED)
         return req
 
@@ -225,11 +230,12 @@ class Scheduler:
         if not scheduled and not self.kv.saves:
             return None
         batch, exports = build_batch(self._step + 1, scheduled), kv_exports(scheduled, self.kv)
-        if imports or exports:
-            batch = replace(batch, kv_imports=imports or None, kv_exports=exports or None)
+        pages: list[int] | None = None
+        keys: list[bytes] | None = None
         if self.kv.saves:  # pages for the KV tiers, read before this step's forward overwrites any page
             pages, keys = self.kv.saves.take()
-            batch = replace(batch, kv_saves=pages, kv_save_keys=keys)
+        if imports or exports or pages:
+            batch = replace(batch, kv_moves=BatchKVMoves(exports or None, imports or None, pages, keys))
         if self.lora is not None:
             batch = self._with_lora(batch, scheduled, self.lora)
         # In flight only once the batch exists: a step recorded without one could never be settled.
@@ -239,12 +245,11 @@ class Scheduler:
 
     @staticmethod
     def _with_lora(batch: Batch, scheduled: list[Scheduled], lora: LoRASlots) -> Batch:
-        slots = [NO_LORA if e.request.lora_slot is None else e.request.lora_slot for e in scheduled]
+        slots = [NO_LORA if e.request.lora.slot is None else e.request.lora.slot for e in scheduled]
         loads = lora.take_loads()
         if not loads and all(s == NO_LORA for s in slots):
             return batch
-        return replace(batch, lora_slots=slots if any(s != NO_LORA for s in slots) else None,
-                       lora_loads=loads or None)  # fmt: skip
+        return replace(batch, lora=BatchLoRA(slots if any(s != NO_LORA for s in slots) else None, loads or None))
 
     def uses_lora(self, name: str) -> bool:
         """Whether a queued or running request is served by adapter ``name``."""
@@ -259,7 +264,7 @@ class Scheduler:
         admitted_past = False
         while i < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[i]
-            if req.kv_import is not None:  # its prompt KV came from a prefill replica
+            if req.kv_moves.imported is not None:  # its prompt KV came from a prefill replica
                 if not take_imported(self.kv, req, imports):
                     break
                 self._start_running(i)
@@ -267,7 +272,7 @@ class Scheduler:
                 budget -= 1
                 admitted_past = bool(overtaken)
                 continue
-            if req.kv_loading:  # the KV tiers are fetching its prefix (for the engine's load_wait_s at most):
+            if req.kv_moves.loading:  # the KV tiers are fetching its prefix (for the engine's load_wait_s at most):
                 i += 1  # it keeps its place, and those behind it go on meanwhile
                 continue
             if req.params.lora is not None:
@@ -275,9 +280,9 @@ class Scheduler:
                 # with every slot pinned by other adapters it waits, passed over by requests of resident
                 # adapters until the starvation bound.
                 assert self.lora is not None, "the engine refuses adapters when LoRA is off"
-                req.lora_slot = self.lora.acquire(req.params.lora)
-                if req.lora_slot is None:
-                    if req.lora_overtakes >= LORA_MAX_OVERTAKES:
+                req.lora.slot = self.lora.acquire(req.params.lora)
+                if req.lora.slot is None:
+                    if req.lora.overtakes >= LORA_MAX_OVERTAKES:
                         break
                     overtaken.append(req)
                     i += 1
@@ -309,9 +314,9 @@ class Scheduler:
                 first = start // cfg.page_size
                 imports.append((req.pages[first : first + loaded], payload))
                 req.num_computed_tokens = start + loaded * cfg.page_size
-                req.kv_tier_unwritten = True
+                req.kv_moves.tier_unwritten = True
                 self.stats.tier_hit_tokens += loaded * cfg.page_size
-            req.kv_loaded = None
+            req.kv_moves.loaded = None
             if match is not None and req.num_preemptions == 0:
                 self._count_prefix_hit(req, match.num_tokens, req.num_computed_tokens)
             self._start_running(i)
@@ -323,7 +328,7 @@ class Scheduler:
             admitted_past = bool(overtaken)
         if admitted_past:
             for req in overtaken:
-                req.lora_overtakes += 1
+                req.lora.overtakes += 1
         return budget
 
     def _reserve_speculation(self, spec: SpecDecodePolicy, scheduled: list[Scheduled],
@@ -384,20 +389,20 @@ class Scheduler:
         self.stats.prefix_hit_tokens += num_hit_tokens
 
     # ---------------------------------------------------------------- results
-    def update(self, batch: Batch, output: StepOutput) -> SchedulerUpdate:
+    def update(self, batch: Batch, output: StepOutput) -> PolicyUpdate:
         """Apply one step's sampled tokens; end the requests their ``StopRule`` stops,
         and the embedding requests whose prompt the step completed."""
         scheduled = self._in_flight.pop(batch.step)
-        if batch.kv_imports:
+        if batch.kv_moves.imports:
             imports_written(scheduled)
-        if batch.kv_saves:
-            self.kv.saves.saved(batch.kv_saves)
+        if batch.kv_moves.saves:
+            self.kv.saves.saved(batch.kv_moves.saves)
         now = time.monotonic()
         sampled: list[tuple[Request, list[int], int, str]] = []
         finished: list[Request] = []
         pooled: list[tuple[Request, int, int]] = []
-        if batch.pool_indices is not None:  # before the loop below advances their computed tokens
-            for j, idx in enumerate(batch.pool_indices):
+        if batch.pooling.indices is not None:  # before the loop below advances their computed tokens
+            for j, idx in enumerate(batch.pooling.indices):
                 req = scheduled[idx].request
                 if req.status is RequestStatus.RUNNING:  # not aborted while the step ran
                     pooled.append((req, j, req.num_computed_tokens))
@@ -418,7 +423,7 @@ class Scheduler:
                     # No token, so no first-token time (TTFT figures stay the generations'); the last
                     # token's time is when its vector is ready (end-to-end latency counts it).
                     req.last_token_time = now
-                    req.finish_reason = "stop"
+                    req.finish_reason = FinishReason.STOP
                     finished.append(req)
                 continue
             if num_accepted is None:  # ``append_output`` of one token, inlined: the per-step hot path
@@ -453,9 +458,9 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.finish_reason is None]
             for req in finished:
-                self._end(req, req.finish_reason or "stop")
+                self._end(req, req.finish_reason or FinishReason.STOP)
         self.stats.num_steps += 1
-        return SchedulerUpdate(sampled, finished, pooled)
+        return PolicyUpdate(sampled, finished, pooled)
 
     def _fork(self, src: Request) -> None:
         """Hand ``src``'s full prompt pages to the siblings that waited for them."""
@@ -476,12 +481,12 @@ class Scheduler:
         self._unpin_lora(req)
 
     def _unpin_lora(self, req: Request) -> None:
-        if req.lora_slot is not None:
+        if req.lora.slot is not None:
             assert self.lora is not None
-            self.lora.release(req.lora_slot)
-            req.lora_slot = None
+            self.lora.release(req.lora.slot)
+            req.lora.slot = None
 
-    def _end(self, req: Request, reason: str) -> None:
+    def _end(self, req: Request, reason: FinishReason) -> None:
         self.requests.pop(req.request_id, None)
         self._release(req)
         req.finish_reason = reason

@@ -4,7 +4,7 @@ Each runs on a worker thread of its own, so a load never waits behind a
 save, and a step never waits for either.
 A new request whose prefix goes past what the radix tree holds asks the
 tiers for the rest of its full prompt pages (``start_load``); it waits in
-the queue (``Request.kv_loading``) until they answer or ``load_wait_s`` has
+the queue (``Request.kv_moves.loading``) until they answer or ``load_wait_s`` has
 passed, whichever is first, and ``deliver`` (before each plan) hands it
 whatever arrived. A waiting engine is woken when a load ends (``wake``).
 Pages new to the radix tree are picked for saving here (``select``, the
@@ -15,7 +15,6 @@ the next step, and handed to the tiers when it returns (``store``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 import shutil
 import threading
@@ -34,12 +33,11 @@ from actors.load.model_cache import cache_dir
 from actors.load.weights_digest import model_digest
 from actors.log import get_logger
 from kvcache.kv_blocks import BlockKey, block_keys, block_salt
-from kvcache.kv_offload_config import KVOffloadConfig
 from kvcache.kv_tiers import TieredKV, sweep_abandoned
+from kvcache.kv_tiers_config import KVTiersConfig
 from kvcache.kv_transfer import KVLayout, RankPayloads
-from scheduling.kv_tiers import TierHit
-from scheduling.request import Request, RequestStatus
-from scheduling.scheduler import Scheduler
+from scheduling.policy import BatchPolicy
+from scheduling.request import Request, RequestStatus, TierHit
 
 logger = get_logger(__name__.rsplit(".", 1)[-1])
 
@@ -82,11 +80,11 @@ class _Worker:
                     future.set_exception(e)
 
 
-class KVOffload:
-    """One engine's tiers, its loads in flight, and the ``KVSaver`` its scheduler asks."""
+class KVTiersLink:
+    """One engine's tiers, its loads in flight, and the ``KVSaver`` its batch policy asks."""
 
-    def __init__(self, config: EngineConfig, offload: KVOffloadConfig, layout: KVLayout, model_path: Path,
-                 scheduler: Scheduler) -> None:  # fmt: skip
+    def __init__(self, config: EngineConfig, offload: KVTiersConfig, layout: KVLayout, model_path: Path,
+                 policy: BatchPolicy) -> None:  # fmt: skip
         self.page_size = config.page_size
         self.load_wait_s = offload.load_wait_s
         self.world_size = config.tensor_parallel_size
@@ -106,8 +104,8 @@ class KVOffload:
             scope = store_scope(offload.cluster_app, self.model_id)
             self._store = RayBlockStore(scope, offload.cluster_bytes, max(offload.load_wait_s, 0.1))
         self.tiers = TieredKV(offload, layout, self.world_size, disk_path=disk_path, store=self._store)
-        self.scheduler = scheduler
-        scheduler.kv.saver = self
+        self.policy = policy
+        policy.kv.saver = self
         self._salts: dict[str | None, bytes] = {}
         self._loads: dict[str, _Load] = {}
         self._loader = _Worker("kv-tier-loads")
@@ -169,7 +167,7 @@ class KVOffload:
         """Ask the tiers for ``req``'s full prompt pages past the radix match, if any tier may hold them."""
         ps = self.page_size
         num_blocks = (req.num_tokens - 1) // ps
-        cache = self.scheduler.cache
+        cache = self.policy.cache
         matched = 0 if cache is None else cache.match_prefix(req.all_token_ids, req.cache_namespace).num_tokens // ps
         if matched >= num_blocks:
             return
@@ -178,7 +176,7 @@ class KVOffload:
             return
         future = self._loader.submit(lambda: self.tiers.fetch(keys))
         future.add_done_callback(lambda _: self.wake())
-        req.kv_loading = True
+        req.kv_moves.loading = True
         self._loads[req.request_id] = _Load(req, matched, future, time.monotonic() + self.load_wait_s)
 
     def deliver(self) -> None:
@@ -192,17 +190,17 @@ class KVOffload:
                 del self._loads[rid]
             elif load.future.done():
                 del self._loads[rid]
-                req.kv_loading = False
+                req.kv_moves.loading = False
                 try:
                     payload = load.future.result()
                 except Exception:
                     logger.exception("a KV tier load failed; the request computes its prefix")
                     payload = None
                 if payload is not None:
-                    req.kv_loaded = TierHit(load.first_page, payload)
+                    req.kv_moves.loaded = TierHit(load.first_page, payload)
             elif now >= load.deadline:
                 del self._loads[rid]
-                req.kv_loading = False
+                req.kv_moves.loading = False
                 self.load_timeouts += 1
 
     def wait_for_loads(self) -> None:
@@ -231,7 +229,7 @@ class KVOffload:
         """Per tier, its counters (``TierStats``), for ``EngineStats.kv_tiers``."""
         out = [(name, tuple(s.to_dict().items())) for name, s in self.tiers.stats.items()]
         out.append(("engine", (("load_timeouts", self.load_timeouts), ("dropped_saves", self.dropped_saves),
-                               ("tier_hit_tokens", self.scheduler.stats.tier_hit_tokens))))  # fmt: skip
+                               ("tier_hit_tokens", self.policy.stats.tier_hit_tokens))))  # fmt: skip
         return tuple(out)
 
     def shutdown(self) -> None:
@@ -268,12 +266,3 @@ def _log_failure(future: Future[Any]) -> None:
     exc = future.exception()
     if exc is not None:
         logger.error("saving KV blocks to the tiers failed: %r", exc)
-
-
-def scoped_to_app(config: EngineConfig, app: str) -> EngineConfig:
-    """``config`` with its cluster KV tier in ``app``'s stores (a Serve replica's; ``flotilla kv drop`` drops
-    them); unchanged without a cluster tier or where ``cluster_app`` is set already."""
-    offload = config.kv_offload
-    if offload is None or not offload.cluster or offload.cluster_app is not None:
-        return config
-    return dataclasses.replace(config, kv_offload=dataclasses.replace(offload, cluster_app=app))

@@ -1,8 +1,8 @@
-"""Typed messages between the scheduler actor and its consumers (replicas).
+"""The scheduler actor's output channel: each step's deltas, routed to the consumer (replica) that owns them.
 
-The output channel carries ONE ``StepMessage`` per engine step per consumer,
-holding every delta of that consumer's requests in the step: never one Ray
-object per token per request. A consumer long-polls
+The channel carries ONE ``StepMessage`` (``actors.api``) per engine step per
+consumer, holding every delta of that consumer's requests in the step:
+never one Ray object per token per request. A consumer long-polls
 ``SchedulerActor.next_outputs`` and receives every message queued since its
 last call, so it makes at most one call per step.
 """
@@ -15,32 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from actors.engine.outputs import RequestOutput, SequenceDelta
-
-
-@dataclass(frozen=True, slots=True)
-class StepMessage:
-    """Every delta one consumer's requests gained in engine steps ``first_step..last_step``.
-
-    Normally ``first_step == last_step``. When a consumer falls behind by more
-    than the actor's queue bound, the newest messages are merged (deltas
-    concatenated in order), so nothing is lost and memory stays bounded by
-    the tokens themselves. Abort and fault notices arrive in messages of
-    their own, with the number of the last step run.
-    """
-
-    first_step: int
-    last_step: int
-    deltas: list[SequenceDelta]
-
-
-@dataclass(frozen=True, slots=True)
-class HealthStatus:
-    """Whether the replica can serve; ``message`` says why not (or "ok")."""
-
-    ok: bool
-    message: str
-    restarting: bool = False
+from actors.api import RequestOutput, SequenceDelta, StepMessage
 
 
 @dataclass(slots=True)

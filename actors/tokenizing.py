@@ -1,8 +1,15 @@
-"""A prompt's token ids: plain text, or a conversation through the tokenizer's chat template.
+"""What the engine and the replica both compute from a tokenizer: prompt ids, and GPT-2's byte map.
 
-The one place both are computed: the engine (``LLMEngine.tokenize``), the
-offline API (``LLM.chat``) and the replica (``apps.inputs.prompt_encoder``) call
-these, so a prompt is the same token ids whichever way it arrives.
+A prompt's token ids, plain text or a conversation through the tokenizer's
+chat template, are computed here only: the engine (``LLMEngine.tokenize``),
+the offline API (``LLM.chat``) and the replica (``apps.inputs.prompt_encoder``)
+call these, so a prompt is the same token ids whichever way it arrives.
+``bytes_to_unicode`` is the byte-level vocabulary's map, which the embedded
+models' tokenizer is written with (``actors.load.embedded``) and the replica
+reads token text back through (``apps.outputs.token_text``).
+
+Torch-free and at the root of ``actors`` so that ``actors.api`` (the
+replica's one door to the engine) can re-export it.
 """
 
 from __future__ import annotations
@@ -39,3 +46,16 @@ def chat_ids(tokenizer: Any, conversation: list[dict[str, Any]],
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars

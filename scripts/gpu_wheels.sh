@@ -15,7 +15,7 @@
 #                      typing-inspection, typing-extensions (pydantic needs a newer one than
 #                      the image may have)
 #   gguf               actors/load/gguf
-# Left out: ray (tests/actors/conftest.py imports it, but its wheel alone is over the 64 MiB the
+# Left out: ray (tests/shared_ray.py imports it, but its wheel alone is over the 64 MiB the
 # device tool carries), compressed-tensors (imported only for such checkpoints), the HTTP stack.
 # Every version but flashinfer's is the one installed in this venv: what the tests here ran with.
 set -euo pipefail

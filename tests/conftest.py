@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from tests.shared_ray import SHARED
 
 # Property tests draw the same examples every run (a failure reproduces; CI is not flaky by chance); a test's
 # own @settings changes only what it names, so it keeps this.
@@ -41,3 +44,28 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from actors.load.presets import ensure_preset
 
     return ensure_preset("smollm2-135m", root=tmp_path_factory.mktemp("smollm2_cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ray_stopped_at_the_end() -> Iterator[None]:
+    """The session's shared Ray cluster (``tests.shared_ray``), if any test started it, is stopped last."""
+    yield
+    SHARED.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> None:
+    """The session's shared local Ray cluster, running (started on first use; ``tests.shared_ray``).
+
+    Module scope: a module that ran after a ``ray_stopped`` one starts it again. A test leaves the cluster as
+    it found it (its actors and placement groups gone), as a module's own cluster used to be torn down.
+    """
+    SHARED.start()
+
+
+@pytest.fixture(scope="module")
+def ray_stopped() -> None:
+    """No Ray in this process: for tests that start a cluster of their own (another shape, several nodes, a
+    command that runs ``ray.init`` itself) or assert that nothing started Ray. The shared one is stopped; the
+    next module that asks for it starts it again."""
+    SHARED.stop()

@@ -1,17 +1,17 @@
-"""A real local Ray cluster and Serve app of the tiny model on a free loopback port.
+"""Serve apps of the tiny model on the session's shared local Ray cluster, on a free loopback port.
 
 Shared by every test module that talks HTTP to flotilla (``tests/apps``,
-``tests/flotilla``, ``tests/cluster``): ``live_server`` starts Ray in this
-process (token auth off for this private cluster), deploys ``build_app`` and
-waits until ``/health`` answers 200; it shuts Serve and Ray down on exit.
+``tests/flotilla``, ``tests/cluster``, the benchmarks'): ``shared_tiny`` is the
+session's plain tiny app, deployed once; ``live_server`` and ``app_beside``
+deploy an app of a test's own beside it (``build_app``'s, at ``/<name>``),
+healthy (``/health`` answers 200), deleted on exit. The cluster and Serve are
+``tests.shared_ray``'s (token auth off for that private cluster).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -23,8 +23,9 @@ from typing import Any, cast
 import ray
 from ray import serve
 
-from actors.engine.stats import EngineStats
+from actors.api import EngineStats
 from apps.builder import build_app
+from tests.shared_ray import SHARED
 
 # One forward thread: the tests' servers share two cores with pytest and each other, and a
 # tiny model's matmuls gain nothing from a second thread there (actors/remote/cpu_threads.py).
@@ -33,12 +34,6 @@ ENGINE: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_ba
 ACTOR_NAMESPACE = "flotilla-test-server"
 TIMEOUT = 60.0
 POLL_START_S, POLL_MAX_S = 0.005, 0.1  # poll_until's backoff
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http(url: str, body: bytes | dict[str, Any] | None = None,
@@ -109,7 +104,7 @@ def wait_healthy(url: str, timeout_s: float = TIMEOUT) -> None:
 
 @contextlib.contextmanager
 def app_beside(live: LiveServer, args: dict[str, Any], app: str, actor: str | None) -> Iterator[LiveServer]:
-    """``build_app(args)`` deployed as ``app`` at ``/app`` on ``live``'s cluster (one Ray per test package),
+    """``build_app(args)`` deployed as ``app`` at ``/app`` on ``live``'s cluster (the session's shared one),
     healthy; deleted on exit. ``actor``: its scheduler actor's name (None when it lives in the replica)."""
     serve.run(build_app(args), name=app, route_prefix=f"/{app}")
     try:
@@ -120,41 +115,39 @@ def app_beside(live: LiveServer, args: dict[str, Any], app: str, actor: str | No
         serve.delete(app)
 
 
-@contextlib.contextmanager
-def live_server(model_dir: Path, actor_name: str = "scheduler", **app_args: Any) -> Iterator[LiveServer]:
-    """One local Ray cluster and one replica of ``model_dir`` (extra ``app_args`` go to ``build_app``).
+def shared_tiny(model_dir: Path) -> LiveServer:
+    """The session's tiny app: one replica of ``model_dir``, app ``flotilla`` at ``/``, its scheduler actor
+    named ``scheduler``, on the shared cluster (``tests.shared_ray``), deployed on first use and healthy.
 
-    The replica's scheduler actor is named ``actor_name``, unless ``app_args``
-    place the scheduler in the replica (``scheduler_placement="replica"``).
+    Every test that only talks to a plain tiny app uses it (``tests/apps``, the SDK's, the benchmarks' and
+    the metrics' live tests), and leaves it as it found it: no request in flight and every KV page free
+    (``assert_pages_free``), nothing killed or reconfigured (a test that breaks things deploys its own app
+    beside it: ``app_beside``, ``live_server``). It goes when the shared cluster stops.
     """
-    with _auth_disabled():
-        ray.init(address="local", num_cpus=4, include_dashboard=False)
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            in_replica = app_args.get("scheduler_placement") == "replica"
-            named = {} if in_replica else {"scheduler_options": {"name": actor_name, "namespace": ACTOR_NAMESPACE}}
-            args = {"model": str(model_dir), "served_model_name": "tiny", "num_replicas": 1,
-                    **named, **ENGINE, **app_args}
-            serve.run(build_app(args), name="flotilla", route_prefix="/")
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url)
-            yield LiveServer(url, None if in_replica else actor_name)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    found = SHARED.apps.get("flotilla")
+    if isinstance(found, LiveServer) and SHARED.running:
+        return found
+    url = SHARED.serve_url()
+    args = {"model": str(model_dir), "served_model_name": "tiny", "num_replicas": 1,
+            "scheduler_options": {"name": "scheduler", "namespace": ACTOR_NAMESPACE}, **ENGINE}
+    serve.run(build_app(args), name="flotilla", route_prefix="/")
+    wait_healthy(url)
+    SHARED.apps["flotilla"] = live = LiveServer(url, "scheduler")
+    return live
 
 
 @contextlib.contextmanager
-def _auth_disabled() -> Iterator[None]:
-    """``RAY_AUTH_MODE=disabled`` while a test's own loopback cluster runs (not for the rest of the session:
-    a later test must not inherit it); the caller's value is back afterwards."""
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old
+def live_server(model_dir: Path, app: str, actor_name: str | None = None, **app_args: Any) -> Iterator[LiveServer]:
+    """App ``app`` at ``/app`` with one replica of ``model_dir`` (extra ``app_args`` go to ``build_app``) on the
+    session's shared cluster (``tests.shared_ray``), beside the tiny app; deleted on exit.
+
+    The replica's scheduler actor is named ``actor_name`` (``<app>-scheduler`` by default), unless
+    ``app_args`` place the scheduler in the replica (``scheduler_placement="replica"``).
+    """
+    url = SHARED.serve_url()
+    in_replica = app_args.get("scheduler_placement") == "replica"
+    actor = None if in_replica else actor_name or f"{app}-scheduler"
+    named = {} if in_replica else {"scheduler_options": {"name": actor, "namespace": ACTOR_NAMESPACE}}
+    args = {"model": str(model_dir), "served_model_name": "tiny", "num_replicas": 1, **named, **ENGINE, **app_args}
+    with app_beside(LiveServer(url, None), args, app, actor) as server:
+        yield server

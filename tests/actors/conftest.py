@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,13 +25,21 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "mistral": mistral_config,
 }
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout the tests import
-
-
 @pytest.fixture(autouse=True)
 def _single_thread_torch() -> Iterator[None]:
     """Tiny matmuls are far faster on one thread, and a busy CI box makes
     torch's thread pool spin (measured: 100x slower decode steps). Restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread_torch_for_module_fixtures() -> Iterator[None]:
+    """The same for a module's fixtures (checkpoints, HF oracle outputs), which pytest sets up before the
+    function-scoped fixture above (an autouse fixture comes first within its scope): on a busy box the HF
+    reference generations crawled on the default thread pool."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -70,26 +77,3 @@ def flotilla_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_dir(flotilla_cache: Path) -> Path:
     """The embedded ``tiny`` model, built into the session cache."""
     return ensure_embedded_model("tiny", root=flotilla_cache)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """One private local Ray cluster on loopback per module that asks; auth off for it.
-
-    Its workers import this checkout (PYTHONPATH), so a test may run its own helpers
-    inside a live actor (``actor.__ray_call__``, as ``tests.actors.step_faults`` does).
-    """
-    # Ray is imported here, not at the top: the device check (scripts/gpu_check.sh) runs this
-    # folder's gpu tests on a machine without Ray, and this conftest loads for every test here.
-    import ray
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        # address="local": never attach to another cluster running on this machine.
-        ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
-        try:
-            yield
-        finally:
-            ray.shutdown()

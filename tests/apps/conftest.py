@@ -1,7 +1,7 @@
 """Fixtures of the apps tests: one offline engine and one live server of the tiny model.
 
-Both are package-scoped: every module here shares one Ray cluster and Serve
-app (starting one costs seconds on a 2-core machine).
+Both are package-scoped; the live app is the session's shared one (starting a
+cluster and an app costs seconds on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from apps.llm import LLM
-from tests.serve_harness import TIMEOUT, LiveServer, live_server
+from tests.serve_harness import TIMEOUT, LiveServer, shared_tiny
 
 
 @pytest.fixture(scope="package")
@@ -25,10 +25,9 @@ def tiny_llm(tiny_model_dir: Path) -> Iterator[LLM]:
 
 
 @pytest.fixture(scope="package")
-def live(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    """One local Ray cluster and one replica of the tiny model on a free port."""
-    with live_server(tiny_model_dir) as running:
-        yield running
+def live(tiny_model_dir: Path) -> LiveServer:
+    """The session's tiny app on the shared cluster (``tests.serve_harness.shared_tiny``)."""
+    return shared_tiny(tiny_model_dir)
 
 
 @pytest.fixture(scope="package")

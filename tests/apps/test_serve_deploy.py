@@ -20,7 +20,8 @@ import psutil
 import pytest
 import yaml
 
-from tests.serve_harness import free_port, http, wait_healthy
+from tests.serve_harness import http, wait_healthy
+from tests.shared_ray import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin"

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from tests.serve_harness import free_port, http
+from tests.serve_harness import http
+from tests.shared_ray import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin"

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import psutil
@@ -84,9 +83,11 @@ def _model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-@pytest.fixture()
-def served(tmp_path: Path) -> Iterator[tuple[str, psutil.Popen]]:
-    with cli_server(ARGS, tmp_path / "serve.log") as server:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, psutil.Popen]]:
+    """One server for the module (a start is a cluster, Serve, HAProxy and a replica): each test leaves it
+    serving with every page free, the killed scheduler's replica replaced."""
+    with cli_server(ARGS, tmp_path_factory.mktemp("haproxy") / "serve.log") as server:
         yield server
 
 
@@ -95,6 +96,8 @@ def test_haproxy_holds_the_port_streams_like_json_and_frees_left_streams(served:
     front = int(url.rsplit(":", 1)[1])
     poll_until(lambda: _listener_name(front) == "haproxy", DEADLINE_S,
                lambda: f"HAProxy to hold port {front}; held by {_listener_name(front)}")
+    # One replica: a replaced one (the other test kills a scheduler) may take a moment to exit.
+    poll_until(lambda: len(_descendants(proc, "ray::ServeReplica")) == 1, DEADLINE_S, "one replica")
     replica = _descendant(proc, "ray::ServeReplica")
     assert any(c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1" for c in replica.net_connections("tcp")), \
         "the replica serves HTTP itself, on loopback"

@@ -1,6 +1,7 @@
 """Elasticity on a real local Ray cluster: prefix affinity, drain on scale-down, autoscaling.
 
-One Ray cluster and one app for the module. Each test first reshapes the app
+One app for the module (``APP``, beside the session's tiny app on the shared
+cluster: ``tests.serve_harness.live_server``). Each test first reshapes the app
 to the replicas it needs with ``serve.run`` and waits for exactly them
 (replica count and autoscaling are lightweight updates: the replicas that stay
 keep running), so none depends on what an earlier one left. Replicas are small
@@ -31,6 +32,7 @@ SMALL: dict[str, Any] = {"max_num_seqs": 2, "scheduler_options": {"num_cpus": 0.
                          "replica_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60}
 ROUTER = {"imbalance_threshold": 100}  # affinity always wins here: the assertion is exact
 DEADLINE_S = 90.0
+APP = "elastic"
 DRAIN_TOKENS = 1900  # a stream's tokens in the drain test: its prompt and these fit max_model_len (2048)
 DOCS = [f"[doc {g}] " + f"chapter {g} of the harbour log; " * 24 for g in range(2)]
 
@@ -42,20 +44,20 @@ def app_args(model_dir: Path, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    with live_server(tiny_model_dir, **app_args(tiny_model_dir, num_replicas=3)) as live:
+    with live_server(tiny_model_dir, APP, **app_args(tiny_model_dir, num_replicas=3)) as live:
         wait_replicas(3)
         yield live
 
 
 def reshape(model_dir: Path, num_replicas: int) -> None:
     """The app with exactly ``num_replicas`` running (and none starting or stopping) when this returns."""
-    serve.run(build_app(app_args(model_dir, num_replicas=num_replicas)), name="flotilla", route_prefix="/")
+    serve.run(build_app(app_args(model_dir, num_replicas=num_replicas)), name=APP, route_prefix=f"/{APP}")
     wait_replicas(num_replicas)
 
 
 def replica_states(app: ApplicationStatusOverview | None = None) -> dict[str, int]:
     """Replicas of the app by state (``RUNNING``, ``STARTING``, ``STOPPING``...), from ``app`` or a fresh status."""
-    app = app or serve.status().applications["flotilla"]
+    app = app or serve.status().applications[APP]
     out: dict[str, int] = {}
     for deployment in app.deployments.values():
         for state, n in deployment.replica_states.items():
@@ -154,8 +156,8 @@ def test_scale_down_drains_in_flight_streams(server: LiveServer, tiny_model_dir:
     assert replica_states() == {"RUNNING": 3}  # the scale-down is from three, whatever ran before
     with cf.ThreadPoolExecutor(1) as pool:  # serve.run may wait for the drain: watch it from here
         asked = time.monotonic()
-        deployed = pool.submit(serve.run, build_app(app_args(tiny_model_dir, num_replicas=1)), name="flotilla",
-                               route_prefix="/")
+        deployed = pool.submit(serve.run, build_app(app_args(tiny_model_dir, num_replicas=1)), name=APP,
+                               route_prefix=f"/{APP}")
         poll_until(lambda: replica_states().get("STOPPING", 0) == 2, DEADLINE_S, "two replicas to start draining")
         draining = time.monotonic()
         # Each replica runs two sequences, so the surviving one runs at most two streams: three or more still
@@ -178,7 +180,7 @@ def test_autoscaling_up_under_a_burst_and_back_down(server: LiveServer, tiny_mod
     autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica": 1,
                    "upscale_delay_s": 0, "downscale_delay_s": 5, "look_back_period_s": 2}
     reshape(tiny_model_dir, 1)  # the burst starts from one replica, whatever ran before
-    serve.run(build_app(app_args(tiny_model_dir, autoscaling=autoscaling)), name="flotilla", route_prefix="/")
+    serve.run(build_app(app_args(tiny_model_dir, autoscaling=autoscaling)), name=APP, route_prefix=f"/{APP}")
     wait_replicas(1)
     streams = [Stream(server.url, f"burst {i}", 300) for i in range(8)]
     for s in streams:
@@ -189,7 +191,7 @@ def test_autoscaling_up_under_a_burst_and_back_down(server: LiveServer, tiny_mod
     # Serve states each upscale in the deployment's message while its replicas start.
     upscales: set[str] = set()
     while True:
-        app = serve.status().applications["flotilla"]
+        app = serve.status().applications[APP]
         upscales |= {d.message for d in app.deployments.values() if d.message.startswith("Upscaling")}
         if sum(replica_states(app).values()) >= 3:
             break

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.engine.outputs import SequenceDelta, SequenceTiming
-from actors.engine.stats import EngineStats, LatencyWindow, memory_usage, snapshot
+from actors.api import EngineStats, FinishReason, LatencyWindow, SequenceDelta, SequenceTiming
+from actors.engine.stats import memory_usage, snapshot
 from cluster import metrics as m
 from cluster.metric_families import (
     CLUSTER_FAMILIES,
@@ -25,7 +25,7 @@ from cluster.metric_families import (
 )
 from cluster.metrics import ReplicaMetrics
 from kvcache.page_allocator import PageAllocator
-from scheduling.scheduler import Scheduler
+from scheduling.policy import BatchPolicy
 from scheduling.scheduler_config import SchedulerConfig
 
 if TYPE_CHECKING:
@@ -71,16 +71,19 @@ class Clock:
 def test_deltas_become_tokens_latencies_and_finish_reasons() -> None:
     clock = Clock()
     rm = ReplicaMetrics("tiny", "r1", export_to_ray=False, clock=clock)
-    rm.observe([SequenceDelta("a", 0, [5], "x", None, num_prompt_tokens=10),
-                SequenceDelta("b", 0, [6], "y", None, num_prompt_tokens=7)])
+    rm.observe([SequenceDelta(request_id="a", index=0, token_ids=[5], text="x", logprobs=None, num_prompt_tokens=10),
+                SequenceDelta(request_id="b", index=0, token_ids=[6], text="y", logprobs=None, num_prompt_tokens=7)])
     clock.now += 0.02
-    rm.observe([SequenceDelta("a", 0, [7, 8], "zz", None, num_prompt_tokens=10)])
+    rm.observe([SequenceDelta(request_id="a", index=0, token_ids=[7, 8], text="zz", logprobs=None,
+                              num_prompt_tokens=10)])
     clock.now += 0.03
     done = SequenceTiming(arrival_time=1.0, first_token_time=1.5, last_token_time=2.5, num_output_tokens=5,
                           first_scheduled_time=1.25)
-    rm.observe([SequenceDelta("a", 0, [9], "w", None, "length", 10, 0, None, done),
-                SequenceDelta("b", 0, [], "", None, "abort", 7, 0, None,
-                              SequenceTiming(1.0, 1.1, 1.1, 1, 1.05))])
+    rm.observe([SequenceDelta(request_id="a", index=0, token_ids=[9], text="w", logprobs=None,
+                              finish_reason=FinishReason.LENGTH, num_prompt_tokens=10, timing=done),
+                SequenceDelta(request_id="b", index=0, token_ids=[], text="", logprobs=None,
+                              finish_reason=FinishReason.ABORT, num_prompt_tokens=7,
+                              timing=SequenceTiming(1.0, 1.1, 1.1, 1, 1.05))])
     s = samples(rm.render())
     assert s[("flotilla:prompt_tokens_total", ())] == 17  # each request's prompt counted once
     assert s[("flotilla:generation_tokens_total", ())] == 5
@@ -99,8 +102,9 @@ def test_deltas_become_tokens_latencies_and_finish_reasons() -> None:
     assert s[("flotilla:request_time_per_output_token_seconds_sum", ())] == pytest.approx(0.25)
     assert s[("flotilla:time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 1  # b's 0.1 s
     # An embedding: its prompt counts, it succeeds, and it has no first token (no TTFT sample).
-    rm.observe([SequenceDelta("e", 0, [], "", None, "stop", 4, 0, None,
-                              SequenceTiming(3.0, None, 3.2, 0, 3.1), embedding=[0.5, 0.5])])
+    rm.observe([SequenceDelta(request_id="e", index=0, token_ids=[], text="", logprobs=None,
+                              finish_reason=FinishReason.STOP, num_prompt_tokens=4,
+                              timing=SequenceTiming(3.0, None, 3.2, 0, 3.1), embedding=[0.5, 0.5])])
     s = samples(rm.render())
     assert s[("flotilla:prompt_tokens_total", ())] == 21
     assert s[("flotilla:request_success_total", (("finished_reason", "stop"),))] == 1
@@ -111,7 +115,8 @@ def test_deltas_become_tokens_latencies_and_finish_reasons() -> None:
 
 def test_sequence_state_is_bounded() -> None:
     rm = ReplicaMetrics("tiny", "r1", export_to_ray=False, max_tracked=4)
-    rm.observe([SequenceDelta(f"r{i}", 0, [1], "x", None, num_prompt_tokens=1) for i in range(10)])
+    rm.observe([SequenceDelta(request_id=f"r{i}", index=0, token_ids=[1], text="x", logprobs=None, num_prompt_tokens=1)
+                for i in range(10)])
     assert list(rm._last_token_at) == [(f"r{i}", 0) for i in range(6, 10)]
 
 
@@ -141,12 +146,12 @@ def test_engine_stats_become_gauges_and_counters() -> None:
     assert s[("flotilla:gpu_memory_total_bytes", ())] == 9
 
 
-def _spec_snapshot(scheduler: Scheduler, allocator: PageAllocator) -> EngineStats:
+def _spec_snapshot(scheduler: BatchPolicy, allocator: PageAllocator) -> EngineStats:
     """``snapshot`` of an engine that is only a real scheduler (no model: the counters are all it reads here)."""
     engine = SimpleNamespace(scheduler=scheduler, allocator=allocator, num_unfinished_requests=0,
                              forward_seconds_total=0.0, grammar=SimpleNamespace(compile_seconds=lambda: (0, ())),
                              constrained_requests={}, grammar_seconds_total=0.0,
-                             loras=SimpleNamespace(requests={}, load_seconds={}, serving=lambda: []), offload=None)
+                             loras=SimpleNamespace(requests={}, load_seconds={}, serving=lambda: []), kv_tiers=None)
     return snapshot(cast("LLMEngine", engine), LatencyWindow())
 
 
@@ -174,7 +179,7 @@ def test_spec_decode_counters_go_from_the_scheduler_to_the_exposition(monkeypatc
 
     monkeypatch.setattr(m, "_ray_record", ray_record)
     allocator = PageAllocator(8)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=32, max_num_seqs=8, max_num_batched_tokens=32), allocator)
+    scheduler = BatchPolicy(SchedulerConfig(max_model_len=32, max_num_seqs=8, max_num_batched_tokens=32), allocator)
     rm = ReplicaMetrics("tiny", "r1", export_to_ray=True)
     s = samples(rm.render())
     assert s[("flotilla:spec_decode_num_drafts_total", ())] == 0  # a zero sample before any draft
@@ -272,37 +277,44 @@ def test_dashboard_is_valid_and_plots_only_exported_names() -> None:
 def test_live_server_exposes_every_family(tiny_model_dir: Path) -> None:
     import ray
 
-    from tests.serve_harness import http, live_server
+    from tests.serve_harness import http, shared_tiny
 
-    with live_server(tiny_model_dir, actor_name="metrics-scheduler") as server:
-        completion_tokens = 0
-        for i in range(3):
-            status, body = http(f"{server.url}/v1/completions",
-                                {"model": "tiny", "prompt": f"hello {i}", "max_tokens": 4, "ignore_eos": True})
-            assert status == 200, body
-            completion_tokens += body["usage"]["completion_tokens"]
-        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
-            assert resp.headers["Content-Type"].startswith("text/plain")
-            text = resp.read()
-        s = samples(text)
-        names = {name for name, _ in s}
-        for fam in REQUIRED:
-            assert any(n.startswith(f"flotilla:{fam}") for n in names), fam
-        assert s[("flotilla:generation_tokens_total", ())] == completion_tokens == 12
-        assert s[("flotilla:request_success_total", (("finished_reason", "length"),))] == 3
-        assert s[("flotilla:time_to_first_token_seconds_count", ())] == 3
-        assert s[("flotilla:memory_used_bytes", ())] > 0
-        # The same figures reach Ray's one Prometheus endpoint (pushed every few seconds).
-        port = ray.nodes()[0]["MetricsExportPort"]
-        deadline = time.monotonic() + 45.0
-        while True:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-                cluster_text = resp.read().decode()
-            if "ray_flotilla_generation_tokens_total" in cluster_text and "ray_flotilla_memory_used_bytes" in cluster_text:
-                break
-            assert time.monotonic() < deadline, "flotilla metrics never reached Ray's endpoint"
-            time.sleep(0.5)  # Ray exports on its own timer (no event to wait on); bounded by the deadline
-        server.assert_pages_free()
+    # The session's tiny app (earlier tests may have used it): its counters are read as changes over this test.
+    server = shared_tiny(tiny_model_dir)
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+        before = samples(resp.read())
+    completion_tokens = 0
+    for i in range(3):
+        status, body = http(f"{server.url}/v1/completions",
+                            {"model": "tiny", "prompt": f"hello {i}", "max_tokens": 4, "ignore_eos": True})
+        assert status == 200, body
+        completion_tokens += body["usage"]["completion_tokens"]
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read()
+    s = samples(text)
+
+    def moved(key: tuple[str, tuple[tuple[str, str], ...]]) -> float:
+        return s[key] - before.get(key, 0.0)
+
+    names = {name for name, _ in s}
+    for fam in REQUIRED:
+        assert any(n.startswith(f"flotilla:{fam}") for n in names), fam
+    assert moved(("flotilla:generation_tokens_total", ())) == completion_tokens == 12
+    assert moved(("flotilla:request_success_total", (("finished_reason", "length"),))) == 3
+    assert moved(("flotilla:time_to_first_token_seconds_count", ())) == 3
+    assert s[("flotilla:memory_used_bytes", ())] > 0
+    # The same figures reach Ray's one Prometheus endpoint (pushed every few seconds).
+    port = ray.nodes()[0]["MetricsExportPort"]
+    deadline = time.monotonic() + 45.0
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            cluster_text = resp.read().decode()
+        if "ray_flotilla_generation_tokens_total" in cluster_text and "ray_flotilla_memory_used_bytes" in cluster_text:
+            break
+        assert time.monotonic() < deadline, "flotilla metrics never reached Ray's endpoint"
+        time.sleep(0.5)  # Ray exports on its own timer (no event to wait on); bounded by the deadline
+    server.assert_pages_free()
 
 
 def _tier(lookups: int, hits: int, errors: int, held: int) -> tuple[tuple[str, float], ...]:

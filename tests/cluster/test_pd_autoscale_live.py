@@ -23,10 +23,11 @@ from typing import Any, cast
 import pytest
 from ray import serve
 
-from actors.engine.stats import EngineStats
+from actors.api import EngineStats
 from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer, http, live_server, poll_until
 
 DECODE_ACTOR = "pd-autoscale-decode-scheduler"
+APP = "pd-autoscale"  # beside the session's tiny app on the shared cluster (tests.serve_harness.live_server)
 PREFILL, DECODE = "PrefillServer", "LLMServer"
 SMALL_ACTOR = {"num_cpus": 0.1}  # replica capacity, not the machine's 4 CPUs, is what runs out
 MIN_TOKENS = 64
@@ -54,14 +55,14 @@ def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
                       "graceful_shutdown_timeout_s": 30},
           "decode": {"num_kv_pages": 512, "autoscaling": DECODE_AUTOSCALING}}
     scheduler = {"name": DECODE_ACTOR, "namespace": ACTOR_NAMESPACE, **SMALL_ACTOR}
-    with live_server(tiny_model_dir, actor_name=DECODE_ACTOR, pd=pd, scheduler_options=scheduler,
+    with live_server(tiny_model_dir, APP, actor_name=DECODE_ACTOR, pd=pd, scheduler_options=scheduler,
                      replica_options=SMALL_ACTOR, graceful_shutdown_timeout_s=30) as live:
         yield live
 
 
 def replica_states(deployment: str) -> dict[str, int]:
     """``{state: count}`` of ``deployment``'s replicas (RUNNING, STARTING, STOPPING, ...)."""
-    status = serve.status().applications["flotilla"].deployments[deployment]
+    status = serve.status().applications[APP].deployments[deployment]
     return {str(state).rsplit(".", 1)[-1]: int(n) for state, n in status.replica_states.items() if n}
 
 
@@ -91,7 +92,7 @@ class Watch:
 
 
 def prefill_stats() -> EngineStats:
-    handle = serve.get_deployment_handle(PREFILL, app_name="flotilla")
+    handle = serve.get_deployment_handle(PREFILL, app_name=APP)
     return cast(EngineStats, handle.engine_stats.remote().result(timeout_s=TIMEOUT))
 
 

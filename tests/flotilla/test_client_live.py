@@ -11,7 +11,7 @@ import pytest
 
 import flotilla
 from flotilla import AsyncClient, Client
-from tests.serve_harness import LiveServer, http, live_server, poll_until
+from tests.serve_harness import LiveServer, http, poll_until, shared_tiny
 
 GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
 PROMPT = "Once upon a time"
@@ -20,9 +20,10 @@ MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "hi there"}]
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    with live_server(tiny_model_dir) as server:
-        yield server
-        server.assert_pages_free()
+    """The session's tiny app (``shared_tiny``), left with every page free."""
+    server = shared_tiny(tiny_model_dir)
+    yield server
+    server.assert_pages_free()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TypeVar
 
 import pytest
 import ray
@@ -31,9 +32,9 @@ from safetensors.torch import save_file
 
 import actors.load.lora_adapter as lora_adapter
 import actors.runner.model_runner as model_runner
-from actors.engine.lora_registry import LoRAUnloadingError
-from actors.engine.outputs import SequenceDelta
-from actors.errors import ExecutorFailure
+from actors.api import SequenceDelta
+from actors.commands import Command, PrepareLoRAs
+from actors.errors import ExecutorFailure, LoRAUnloadingError
 from actors.load.embedded import build_tokenizer
 from actors.remote.ray_executor import RayExecutor
 from actors.runner.lora_manager import LoRAManager
@@ -46,6 +47,7 @@ from tests.actors.checkpoints import FAMILY_CONFIGS, write_checkpoint
 from tests.actors.engine.test_engine_oracle import assert_pool_clean
 from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter, peft_greedy
 
+R = TypeVar("R")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 ENGINE = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256, "dtype": "float32",
           "device": "cpu", "enable_lora": True, "max_lora_rank": 8}  # fmt: skip
@@ -284,15 +286,16 @@ def test_an_evicted_adapter_is_read_off_the_event_loop_and_a_failed_read_ends_on
     engine = llm.engine
     gate, reading = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
-    read = engine.executor.prepare_loras
+    read = engine.executor.command
 
-    def slow_read(names: list[str]) -> dict[str, str]:
-        seen["thread"] = threading.get_ident()
-        reading.set()
-        seen["opened"] = gate.wait(10.0)  # a loop blocked by this read could never open it: 10 s, then on
-        return read(names)
+    def slow_read(cmd: Command[R]) -> R:
+        if isinstance(cmd, PrepareLoRAs):
+            seen["thread"] = threading.get_ident()
+            reading.set()
+            seen["opened"] = gate.wait(10.0)  # a loop blocked by this read could never open it: 10 s, then on
+        return read(cmd)
 
-    engine.executor.prepare_loras = slow_read  # type: ignore[method-assign]
+    engine.executor.command = slow_read  # type: ignore[method-assign]
     deltas: list[SequenceDelta] = []
     prompts = _prompts(5, 2)
 
@@ -333,14 +336,16 @@ def test_an_evicted_adapter_is_read_off_the_event_loop_and_a_failed_read_ends_on
 
 
 class _Ref:
-    """A stand-in ObjectRef: what a shard's ``prepare_loras`` call answers (None: it has not answered yet)."""
+    """A stand-in ObjectRef: what a shard's ``command(PrepareLoRAs)`` call answers (None: it has not answered yet)."""
 
     def __init__(self, answer: dict[str, str] | BaseException | None) -> None:
         self.answer = answer
 
 
-def test_a_shard_read_that_raises_or_is_slow_fails_its_adapters_not_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``RayExecutor.prepare_loras``: only a dead shard is an ``ExecutorFailure`` (the group torn down)."""
+def test_a_shard_read_that_raises_or_is_slow_fails_its_adapters_not_the_group(
+    ray_stopped: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``RayExecutor.command(PrepareLoRAs)``: only a dead shard is an ``ExecutorFailure`` (the group torn down)."""
 
     def wait(refs: list[_Ref], num_returns: int, timeout: float) -> tuple[list[_Ref], list[_Ref]]:
         return [r for r in refs if r.answer is not None], [r for r in refs if r.answer is None]
@@ -356,27 +361,27 @@ def test_a_shard_read_that_raises_or_is_slow_fails_its_adapters_not_the_group(mo
     monkeypatch.setattr(ray, "get", get)
     # The real ray.kill would start a local Ray (its API auto-initialises) and leave it to the next module.
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
-    raised = ray.exceptions.RayTaskError("prepare_loras", "Traceback ...", MemoryError("no memory"))
+    raised = ray.exceptions.RayTaskError("command", "Traceback ...", MemoryError("no memory"))
     died = ray.exceptions.ActorDiedError()
 
     def executor(*answers: dict[str, str] | BaseException | None) -> RayExecutor:
         ex = RayExecutor.__new__(RayExecutor)  # no cluster: the shards are stand-ins
-        ex._shards = [SimpleNamespace(prepare_loras=SimpleNamespace(remote=lambda names, a=a: _Ref(a)))
+        ex._shards = [SimpleNamespace(command=SimpleNamespace(remote=lambda cmd, a=a: _Ref(a)))
                       for a in answers]  # fmt: skip
         ex._channel, ex._pg, ex.start_timeout_s = None, None, 5.0
         return ex
 
-    names = ["a", "b"]
-    assert executor({}, {"b": "gone"}).prepare_loras(names) == {"b": "gone"}
+    prepare = PrepareLoRAs(("a", "b"))
+    assert executor({}, {"b": "gone"}).command(prepare) == {"b": "gone"}
     slow: tuple[dict[str, str] | BaseException | None, ...]
     for slow in (({}, raised), ({}, None)):  # a read that raised, one not done in time
         ex = executor(*slow)
-        failed = ex.prepare_loras(names)
+        failed = ex.command(prepare)
         assert set(failed) == {"a", "b"} and ex.shards, (slow, failed)
     assert killed == []  # no failed read tore the group down
     ex = executor({}, died)
     shards = list(ex.shards)
     with pytest.raises(ExecutorFailure, match="rank 1"):
-        ex.prepare_loras(names)
+        ex.command(prepare)
     assert not ex.shards and killed == shards
     assert not ray.is_initialized()

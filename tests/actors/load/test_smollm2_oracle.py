@@ -94,9 +94,12 @@ def _assert_top20_close(got_ids: list[int], got_values: list[float], ref: torch.
 # Every mode on each backend, except that the static-buffer decode (which the
 # seeded models run in every mode, tests/actors/engine/test_engine_oracle.py) runs
 # here in the two modes that move its batch sizes most: preemption and the
-# prefix-cache second pass. The real model costs ~8 s a mode.
+# prefix-cache second pass. The real model costs ~8 s a mode. Batch 1 runs on the torch backend only: what the
+# real model adds there is its linear layers' one-row decode path (actors.models.cpu_linear), which no attention
+# backend changes; FlashInfer's batch-1 decode is the seeded models' (test_engine_oracle's batch_1 cases).
 CASES = [(m, b) for b in BACKENDS for m in MODES
-         if b != "flashinfer_static_decode" or m in ("prefix_on", "preemption")]
+         if (b != "flashinfer_static_decode" or m in ("prefix_on", "preemption"))
+         and (m, b) != ("batch_1", "flashinfer_emulator")]
 
 
 @pytest.mark.parametrize(("mode", "backend"), CASES)
@@ -118,7 +121,7 @@ def test_greedy_and_logprobs_match_transformers(smollm2_dir: Path, oracle: Any, 
             _assert_top20_close(step.top_token_ids, step.top_logprobs, ref_step)
             assert abs(step.logprob - float(ref_step[token])) < TOLERANCE
     if mode == "preemption":
-        assert llm.engine.scheduler.stats.num_preemptions > 0
+        assert llm.engine.policy.stats.num_preemptions > 0
     if mode == "prefix_on":
         # A second pass finds the prompts (every chat prompt starts with the template's
         # system turn) in the cache and still gives the same tokens.

@@ -50,7 +50,7 @@ def test_configured_threads_win() -> None:
     assert engine_cpu_threads(3) == 3
 
 
-def test_outside_ray_every_usable_core() -> None:
+def test_outside_ray_every_usable_core(ray_stopped: None) -> None:
     assert not ray.is_initialized()
     assert ray_reserved_cpus() == 0.0
     assert engine_cpu_threads(None) == usable_cores()

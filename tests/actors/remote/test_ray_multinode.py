@@ -27,8 +27,9 @@ ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "num_kv_pages": 32, "dtype": 
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster() -> Iterator[Cluster]:
-    """Head + one worker node (1 CPU each) on 127.0.0.1, with this process connected."""
+def two_node_cluster(ray_stopped: None) -> Iterator[Cluster]:
+    """Head + one worker node (1 CPU each) on 127.0.0.1, with this process connected (a cluster of its own:
+    two nodes, not the session's shared one, which ``ray_stopped`` stops first)."""
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     with pytest.MonkeyPatch.context() as mp:

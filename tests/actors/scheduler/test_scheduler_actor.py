@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
+from actors.api import SequenceDelta, StepMessage
 from actors.config import EngineConfig
-from actors.engine.outputs import SequenceDelta
 from actors.scheduler.actor import SchedulerActor
-from actors.scheduler.step_messages import StepMessage
 from apps.llm import LLM
 from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.fault_injection import FaultyExecutor, Signals
 
-ROOT = Path(__file__).resolve().parents[3]
 ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 16, "max_num_batched_tokens": 512,
                           "dtype": "float32", "device": "cpu", "num_kv_pages": 128}
 PROMPTS = [[5 + (i * 7 + j * 3) % 200 for j in range(8 + 3 * i)] for i in range(5)]
@@ -40,17 +35,9 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    """One local Ray cluster for the module; workers import this test module via PYTHONPATH."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        # address="local": never attach to another cluster running on this machine.
-        ray.init(address="local", num_cpus=4, include_dashboard=False)
-        try:
-            yield
-        finally:
-            ray.shutdown()
+def cluster(ray_cluster: None) -> None:
+    """The session's shared local Ray cluster (tests/conftest.py); its workers import this test module via
+    PYTHONPATH."""
 
 
 @pytest.fixture(scope="module")

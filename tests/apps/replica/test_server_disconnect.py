@@ -6,14 +6,13 @@ import asyncio
 import json
 import random
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import httpx2
 import pytest
 
-from tests.apps.pd_harness import PDServer, pd_app
+from tests.apps.pd_harness import PDServer, shared_pd
 from tests.serve_harness import TIMEOUT, LiveServer, http, poll_until
 
 LONG = {"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True}
@@ -108,11 +107,11 @@ def test_disconnect_storm_frees_every_page(live: LiveServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def pd(live: LiveServer, tiny_model_dir: Path) -> Iterator[PDServer]:
-    # Prefill in chunks of 32 tokens: each long prompt takes many prefill steps, so the storm's
-    # hang-ups land all along its submit (the remote prefill, then the decode replica's take-over).
-    with pd_app(live, tiny_model_dir, "pd-storm", prefill={"max_num_batched_tokens": 32}) as server:
-        yield server
+def pd(live: LiveServer, tiny_model_dir: Path) -> PDServer:
+    # The session's shared pd app (``shared_pd``): it prefills in chunks of 32 tokens, so each long prompt
+    # takes many prefill steps and the storm's hang-ups land all along its submit (the remote prefill, then
+    # the decode replica's take-over).
+    return shared_pd(live, tiny_model_dir)
 
 
 def test_pd_disconnect_storm_mid_submit_frees_every_page(pd: PDServer) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from openai import APIStatusError, OpenAI
 
 from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
-from tests.apps.pd_harness import PDServer, pd_app
+from tests.apps.pd_harness import PDServer, pd_app, shared_pd
 from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer
 
 LONG = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(4)]
@@ -24,11 +23,9 @@ SHORT = "hi"
 
 
 @pytest.fixture
-def pd(live: LiveServer, tiny_model_dir: Path) -> Iterator[PDServer]:
-    """A pd app beside the package's app, on its cluster (one Ray per test package); one per test, and gone
-    before the next deploys its own (the cluster's CPUs hold the package's app and one pd app)."""
-    with pd_app(live, tiny_model_dir, "pd") as server:
-        yield server
+def pd(live: LiveServer, tiny_model_dir: Path) -> PDServer:
+    """The session's shared pd app beside the package's app (``shared_pd``): this test only sends requests."""
+    return shared_pd(live, tiny_model_dir)
 
 
 def client(server: LiveServer) -> OpenAI:
@@ -43,6 +40,7 @@ def test_long_prompts_prefill_remotely_with_the_colocated_output(pd: PDServer, t
     llm.shutdown()
     before = pd.prefill.stats().num_steps
     server = pd.decode
+    remote_before = _remote_prefills(server)  # the app is shared: its counter is read as a change
     api = client(server)
     got = [api.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0.0,
                                   extra_body={"ignore_eos": True}).choices[0].text for p in LONG]
@@ -62,7 +60,15 @@ def test_long_prompts_prefill_remotely_with_the_colocated_output(pd: PDServer, t
     assert "flotilla:pd_remote_prefills_total" in metrics and "flotilla:pd_kv_transfer_seconds_bucket" in metrics
     remote = next(float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("flotilla:pd_remote_prefills_total"))
-    assert remote == len(LONG) + 1  # the completions and the streamed chat
+    assert remote - remote_before == len(LONG) + 1  # the completions and the streamed chat
+
+
+def _remote_prefills(server: LiveServer) -> float:
+    """The decode replica's ``flotilla:pd_remote_prefills_total`` (0 before its first)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=TIMEOUT) as resp:
+        metrics = resp.read().decode()
+    return next((float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("flotilla:pd_remote_prefills_total")), 0.0)
 
 
 def test_a_dead_prefill_pool_is_a_clear_503_and_frees_everything(live: LiveServer, tiny_model_dir: Path) -> None:

@@ -154,8 +154,9 @@ def test_settings_that_would_not_compare_what_is_described_are_refused(capsys: p
     assert (args.streams, args.long_tokens, args.remote_prefill_min_tokens) == (4, 2048, 512)
 
 
-def test_a_whole_run_prints_both_modes(tiny_model_dir: Path, tmp_path: Path,
+def test_a_whole_run_prints_both_modes(ray_stopped: None, tiny_model_dir: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # ray_stopped: the command starts its own local cluster in this process (cli.bench.harness.local_ray).
     rc = main(["bench", "pd", "--model", str(tiny_model_dir), "--json", "--cores", "2", "--streams", "2",
                "--duration-s", "3", "--long-every-s", "1", "--long-tokens", "128", "--long-max-tokens", "4",
                "--remote-prefill-min-tokens", "64", "--short-tokens", "16", "--output-tokens", "4", "8",

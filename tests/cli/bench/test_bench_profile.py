@@ -63,10 +63,11 @@ def test_host_replicas_need_a_served_profile(capsys: pytest.CaptureFixture[str])
     assert "host_replicas" in capsys.readouterr().err
 
 
-def test_a_served_profile_times_the_shapes_through_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_served_profile_times_the_shapes_through_a_replica(ray_stopped: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """One replica of tiny on a local Ray cluster, over HTTP: every point measured, the replica's limits kept;
     then one and two replicas busy, and two with requests waiting: the host's share measured (shorter
     decodes and queues than a real measurement's, to keep the test short)."""
+    # ray_stopped: run_served starts its own local cluster in this process (cli.bench.harness.local_ray).
     monkeypatch.setattr(served, "HOST_STEPS", 16)
     monkeypatch.setattr(served, "HOST_WAITING_PER_REPLICA", 8)
     out = run_served("tiny", runs=1, steps=2, num_cpus=2, prefill_tokens=(16, 64), decode_batches=(1, 2),

@@ -259,10 +259,10 @@ def test_sse_client_times_chunks_and_reads_usage_or_errors() -> None:
 # ---------------------------------------------------------------------- live
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Any:
-    from tests.serve_harness import live_server
+    """The session's tiny app (``shared_tiny``)."""
+    from tests.serve_harness import shared_tiny
 
-    with live_server(tiny_model_dir, actor_name="bench-serve-scheduler") as s:
-        yield s
+    return shared_tiny(tiny_model_dir)
 
 
 def test_live_run_through_the_cli(server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

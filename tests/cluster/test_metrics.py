@@ -148,7 +148,7 @@ def test_engine_stats_become_gauges_and_counters() -> None:
 
 def _spec_snapshot(scheduler: BatchPolicy, allocator: PageAllocator) -> EngineStats:
     """``snapshot`` of an engine that is only a real scheduler (no model: the counters are all it reads here)."""
-    engine = SimpleNamespace(scheduler=scheduler, allocator=allocator, num_unfinished_requests=0,
+    engine = SimpleNamespace(policy=scheduler, allocator=allocator, num_unfinished_requests=0,
                              forward_seconds_total=0.0, grammar=SimpleNamespace(compile_seconds=lambda: (0, ())),
                              constrained_requests={}, grammar_seconds_total=0.0,
                              loras=SimpleNamespace(requests={}, load_seconds={}, serving=lambda: []), kv_tiers=None)

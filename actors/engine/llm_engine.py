@@ -64,8 +64,8 @@ class LLMEngine:
         self.loras = LoRARegistry(config, self.executor, self.policy)
         # The KV tiers below the pool (host, disk, cluster), when configured (actors.engine.kv_tiers).
         self.kv_tiers = (None if config.kv_offload is None else
-                        KVTiersLink(config, config.kv_offload, self.executor.kv_layout, self.executor.model_path,
-                                  self.policy))  # fmt: skip
+                         KVTiersLink(config, config.kv_offload, self.executor.kv_layout, self.executor.model_path,
+                                     self.policy))  # fmt: skip
         self._seqs: dict[str, _Sequence] = {}  # policy request id -> state
         self._groups: dict[str, list[str]] = {}  # client request id -> policy request ids
         # The batch whose step failed between schedule() and the policy's update (its token

@@ -71,6 +71,10 @@ DEPLOYMENT_OPTIONS = ("autoscaling", "request_router", "graceful_shutdown_timeou
 ADMISSION_HEADROOM = 64
 # Long enough for a replica being removed to finish streaming its longest request.
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 120.0
+# How often a replica being removed checks for requests still running. Serve sleeps this long before its
+# first check (its default, 2 s), so even an idle replica took that long to stop on every scale-down,
+# redeploy or delete; counting a replica's requests is cheap, so it looks often.
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 
 
 def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -102,7 +106,8 @@ def deployment_options(options: dict[str, Any], lora_base_model: str | None = No
     grace = float(options.pop("graceful_shutdown_timeout_s", DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S))
     if not grace > 0:
         raise InvalidParameterError("graceful_shutdown_timeout_s", f"must be > 0, got {grace}")
-    out: dict[str, Any] = {"graceful_shutdown_timeout_s": grace}
+    out: dict[str, Any] = {"graceful_shutdown_timeout_s": grace,
+                           "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
     autoscaling = options.pop("autoscaling", None)
     if autoscaling is not None:
         if not isinstance(autoscaling, dict):

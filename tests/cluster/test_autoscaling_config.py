@@ -10,7 +10,12 @@ import pytest
 from ray.serve import config as serve_config
 
 from actors.api import EngineStats, FinishReason, LatencyWindow, SequenceDelta, SequenceTiming
-from apps.builder import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, deployment_options, split_args
+from apps.builder import (
+    DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+    deployment_options,
+    split_args,
+)
 from apps.replica.stats import ReplicaStats
 from cluster.autoscaling import (
     POLICY_PATH,
@@ -76,7 +81,8 @@ def test_builder_options_translate_to_deployment_options() -> None:
     assert out["request_router_config"]["request_router_class"] == ROUTER_CLASS
     assert out["ray_actor_options"] == {"num_cpus": 0.1}
     plain = deployment_options({"num_replicas": 2})
-    assert plain == {"num_replicas": 2, "graceful_shutdown_timeout_s": DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S}
+    assert plain == {"num_replicas": 2, "graceful_shutdown_timeout_s": DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                     "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
     with pytest.raises(InvalidParameterError, match="autoscale"):
         split_args({"autoscale": {}})
     with pytest.raises(InvalidParameterError) as info:

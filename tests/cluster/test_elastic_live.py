@@ -2,11 +2,12 @@
 
 One app for the module (``APP``, beside the session's tiny app on the shared
 cluster: ``tests.serve_harness.live_server``). Each test first reshapes the app
-to the replicas it needs with ``serve.run`` and waits for exactly them
-(replica count and autoscaling are lightweight updates: the replicas that stay
-keep running), so none depends on what an earlier one left. Replicas are small
-(a tenth of a CPU, two sequences each) so replica capacity, not the machine,
-runs out.
+to the replicas it needs and waits for exactly them, so none depends on what an
+earlier one left. Every ``serve.run`` from Python is a new code version to Serve
+(it draws a random one), which replaces every replica, so ``reshape`` calls it
+only when the app is not already in the shape asked for. Replicas are small (a
+tenth of a CPU, two sequences each) so replica capacity, not the machine, runs
+out.
 """
 
 from __future__ import annotations
@@ -44,14 +45,32 @@ def app_args(model_dir: Path, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    with live_server(tiny_model_dir, APP, **app_args(tiny_model_dir, num_replicas=3)) as live:
+    args = app_args(tiny_model_dir, num_replicas=3)
+    with live_server(tiny_model_dir, APP, **args) as live:
+        DEPLOYED[APP] = args
         wait_replicas(3)
         yield live
+    DEPLOYED.clear()
+
+
+# The arguments of the app's last deployment in this module (``live_server`` includes the named scheduler
+# options beside them; they do not change). Read only to skip a serve.run that would change nothing.
+DEPLOYED: dict[str, dict[str, Any]] = {}
+
+
+def deploy(args: dict[str, Any]) -> None:
+    """``serve.run`` of the app with ``args`` (every replica replaced: module docstring); recorded."""
+    DEPLOYED.pop(APP, None)  # unknown until serve.run returns
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    DEPLOYED[APP] = args
 
 
 def reshape(model_dir: Path, num_replicas: int) -> None:
-    """The app with exactly ``num_replicas`` running (and none starting or stopping) when this returns."""
-    serve.run(build_app(app_args(model_dir, num_replicas=num_replicas)), name=APP, route_prefix=f"/{APP}")
+    """The app with exactly ``num_replicas`` running (and none starting or stopping) when this returns;
+    redeployed only when its last deployment asked for another shape (or for autoscaling)."""
+    args = app_args(model_dir, num_replicas=num_replicas)
+    if DEPLOYED.get(APP) != args:
+        deploy(args)
     wait_replicas(num_replicas)
 
 
@@ -156,8 +175,7 @@ def test_scale_down_drains_in_flight_streams(server: LiveServer, tiny_model_dir:
     assert replica_states() == {"RUNNING": 3}  # the scale-down is from three, whatever ran before
     with cf.ThreadPoolExecutor(1) as pool:  # serve.run may wait for the drain: watch it from here
         asked = time.monotonic()
-        deployed = pool.submit(serve.run, build_app(app_args(tiny_model_dir, num_replicas=1)), name=APP,
-                               route_prefix=f"/{APP}")
+        deployed = pool.submit(deploy, app_args(tiny_model_dir, num_replicas=1))
         poll_until(lambda: replica_states().get("STOPPING", 0) == 2, DEADLINE_S, "two replicas to start draining")
         draining = time.monotonic()
         # Each replica runs two sequences, so the surviving one runs at most two streams: three or more still
@@ -182,7 +200,7 @@ def test_autoscaling_up_under_a_burst_and_back_down(server: LiveServer, tiny_mod
     autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_queue_per_replica": 1,
                    "upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2}
     reshape(tiny_model_dir, 1)  # the burst starts from one replica, whatever ran before
-    serve.run(build_app(app_args(tiny_model_dir, autoscaling=autoscaling)), name=APP, route_prefix=f"/{APP}")
+    deploy(app_args(tiny_model_dir, autoscaling=autoscaling))
     wait_replicas(1)
     streams = [Stream(server.url, f"burst {i}", 300) for i in range(8)]
     for s in streams:

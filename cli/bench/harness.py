@@ -93,14 +93,27 @@ def ray_running(num_cpus: int) -> Iterator[None]:
             ray.shutdown()
 
 
+@contextlib.contextmanager
+def serve_on(num_cpus: int, serve_port: int | None) -> Iterator[int]:
+    """Serve's HTTP port for a benchmark's apps: ``serve_port``, where this process already runs Ray and Serve
+    on it (a caller that shares its cluster, as the test session does), else a private cluster's (``local_ray``)."""
+    if serve_port is not None:
+        yield serve_port
+        return
+    with local_ray(num_cpus) as port:
+        yield port
+
+
 def deploy(app_arguments: dict[str, Any], port: int, name: str) -> str:
-    """Run ``build_app(app_arguments)`` as Serve app ``name`` at ``/``; returns its URL once healthy."""
+    """Run ``build_app(app_arguments)`` as Serve app ``name`` at ``/name``; returns its URL once healthy.
+
+    Its own route prefix, not ``/``: other apps (another mode's, or a shared cluster's) may run beside it."""
     from ray import serve  # see the section comment: not loaded for the offline benchmarks
 
     from apps.builder import build_app
 
-    serve.run(build_app(app_arguments), name=name, route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
+    serve.run(build_app(app_arguments), name=name, route_prefix=f"/{name}")
+    url = f"http://127.0.0.1:{port}/{name}"
     wait_healthy(url)
     return url
 

@@ -19,7 +19,7 @@ from ray import serve
 
 from actors.config import EngineConfig
 from actors.remote.cpu_threads import usable_cores
-from cli.bench.harness import deploy, local_ray
+from cli.bench.harness import deploy, serve_on
 from cli.bench.metrics import fetch
 from cli.bench.pd.bandwidth import Bandwidth, measure_bandwidth
 from cli.bench.pd.figures import PDFigures, parse_pd_figures
@@ -103,8 +103,9 @@ def run_mode(args: argparse.Namespace, mode: str, cores: int, port: int,
         serve.delete(name)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``bench pd`` as ``args`` say; prints the JSON."""
+def main(args: argparse.Namespace, serve_port: int | None = None) -> int:
+    """Run ``bench pd`` as ``args`` say; prints the JSON. ``serve_port``: Serve of the cluster this process
+    already runs (``harness.serve_on``); None starts a private one."""
     plan = workload(args)
     slo = parse_pd_slo(args.slo)
     cores = args.cores if args.cores is not None else usable_cores()
@@ -113,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
     bandwidth: Bandwidth | None = None
     # With --json, stdout carries the JSON alone: what Ray prints meanwhile goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext(), \
-            local_ray(args.num_cpus) as port:
+            serve_on(args.num_cpus, serve_port) as port:
         for mode in MODES:
             print(f"flotilla bench pd: {mode} run ({plan.duration_s:g} s)", file=sys.stderr, flush=True)
             runs[mode] = run_mode(args, mode, cores, port, plan)

@@ -52,7 +52,7 @@ from ray import serve
 from actors.load.embedded import VOCAB_SIZE
 from cli.bench.decode_steps import random_prompts
 from cli.bench.engine_options import SHARED_ACTOR_CPUS
-from cli.bench.harness import deploy, local_ray
+from cli.bench.harness import deploy, serve_on
 from cli.bench.profile.run import Shape, check_settings, report, step_shapes
 from cli.bench.stream_client import RequestResult, stream_request
 from cli.simulate.profile import Capacity
@@ -170,9 +170,11 @@ def _host_share(port: int, app: dict[str, Any], replicas: tuple[int, ...], conte
 
 def run_served(model: str, *, runs: int = 3, steps: int = SERVED_STEPS, seed: int = 0, num_cpus: int = 4,
                prefill_tokens: tuple[int, ...], decode_batches: tuple[int, ...], decode_contexts: tuple[int, ...],
-               host_replicas: tuple[int, ...] = (),
+               host_replicas: tuple[int, ...] = (), serve_port: int | None = None,
                **engine: Any) -> dict[str, Any]:
-    """Profile one served replica of ``model`` (module docstring); ``engine`` holds its engine options."""
+    """Profile one served replica of ``model`` (module docstring); ``engine`` holds its engine options.
+    ``serve_port``: Serve of the cluster this process already runs (``harness.serve_on``); None starts a
+    private one."""
     check_settings(runs, steps)
     if "num_kv_pages" not in engine:
         raise InvalidParameterError("num_kv_pages", "--served needs the replica's KV pool (--num-kv-pages): "
@@ -190,7 +192,7 @@ def run_served(model: str, *, runs: int = 3, steps: int = SERVED_STEPS, seed: in
            "replica_options": {"num_cpus": SHARED_ACTOR_CPUS},
            "scheduler_options": {"num_cpus": SHARED_ACTOR_CPUS}}
     host: dict[str, Any] | None = None
-    with local_ray(num_cpus) as port:
+    with serve_on(num_cpus, serve_port) as port:
         t0 = time.perf_counter()
         url = deploy({**app, "num_replicas": 1}, port, APP)
         started = time.perf_counter() - t0

@@ -29,7 +29,8 @@ def test_conversations_are_seeded_and_grow_turn_by_turn() -> None:
     assert all(len(p) == 64 for p in prompts) and len({tuple(p[:16]) for p in prompts}) == 4
 
 
-def test_a_small_run_prints_both_sets(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_small_run_prints_both_sets(ray_cluster: None, capsys: pytest.CaptureFixture[str]) -> None:
+    # On the session's cluster: the command uses the one this process runs (cli.bench.harness.ray_running).
     code = main(["bench", "kv-tiers", "--model", "tiny", "--conversations", "3", "--turns", "2", "--passages", "4",
                  "--max-tokens", "8", "--think-s", "1.0", "--no-reuse-requests", "2", "--no-reuse-prompt-len", "64",
                  "--no-reuse-max-tokens", "4", "--no-reuse-min-s", "0", "--runs", "1", "--json"])  # fmt: skip

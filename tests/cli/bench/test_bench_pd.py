@@ -13,11 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from ray import serve
 
 from cli.bench.metrics import histogram_quantile
 from cli.bench.pd.bandwidth import Bandwidth
 from cli.bench.pd.figures import PDFigures, parse_pd_figures
 from cli.bench.pd.report import mode_report, parse_pd_slo, transfer_report
+from cli.bench.pd.run import main as pd_main
 from cli.bench.pd.workload import PDWorkload, WorkloadResult
 from cli.bench.stats import ratio
 from cli.bench.stream_client import RequestResult
@@ -26,6 +28,7 @@ from cli.simulate.trace import read_jsonl
 from cluster.metric_families import TRANSFER_BUCKETS
 from cluster.metrics import ReplicaMetrics
 from scheduling.errors import InvalidParameterError
+from tests.shared_ray import SHARED
 
 MODE_KEYS = {"requests", "failed", "tpot_p50_ms", "tpot_p95_ms", "ttft_p95_ms", "long_ttft_p95_ms", "goodput",
              "goodput_fraction"}
@@ -154,15 +157,21 @@ def test_settings_that_would_not_compare_what_is_described_are_refused(capsys: p
     assert (args.streams, args.long_tokens, args.remote_prefill_min_tokens) == (4, 2048, 512)
 
 
-def test_a_whole_run_prints_both_modes(ray_stopped: None, tiny_model_dir: Path, tmp_path: Path,
+def test_a_whole_run_prints_both_modes(ray_cluster: None, tiny_model_dir: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    # ray_stopped: the command starts its own local cluster in this process (cli.bench.harness.local_ray).
-    rc = main(["bench", "pd", "--model", str(tiny_model_dir), "--json", "--cores", "2", "--streams", "2",
-               "--duration-s", "3", "--long-every-s", "1", "--long-tokens", "128", "--long-max-tokens", "4",
-               "--remote-prefill-min-tokens", "64", "--short-tokens", "16", "--output-tokens", "4", "8",
-               "--max-model-len", "256", "--num-kv-pages", "128", "--num-cpus", "4", "--bandwidth-runs", "2",
-               "--trace-out", str(tmp_path / "sent")])
+    # On the session's cluster (its Serve port), the command's apps beside the shared ones; on its own the
+    # command starts a private cluster (cli.bench.harness.serve_on).
+    args = build_parser().parse_args([
+        "bench", "pd", "--model", str(tiny_model_dir), "--json", "--cores", "2", "--streams", "2",
+        "--duration-s", "3", "--long-every-s", "1", "--long-tokens", "128", "--long-max-tokens", "4",
+        "--remote-prefill-min-tokens", "64", "--short-tokens", "16", "--output-tokens", "4", "8",
+        "--max-model-len", "256", "--num-kv-pages", "128", "--num-cpus", "4", "--bandwidth-runs", "2",
+        "--trace-out", str(tmp_path / "sent")])
+    SHARED.serve_url()
+    assert SHARED.serve_port is not None
+    rc = pd_main(args, serve_port=SHARED.serve_port)
     assert rc == 0
+    assert not {"bench-pd-colocated", "bench-pd-disaggregated"} & set(serve.status().applications)  # deleted
     out = json.loads(capsys.readouterr().out)  # stdout holds the JSON alone
     for mode in ("colocated", "disaggregated"):
         assert set(out[mode]) >= MODE_KEYS, mode

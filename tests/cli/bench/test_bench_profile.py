@@ -13,6 +13,7 @@ from cli.bench.profile.served import fit_host_cores, run_served
 from cli.main import main
 from cli.simulate.profile import LinearProfile, StepShape, load_profile
 from scheduling.errors import InvalidParameterError
+from tests.shared_ray import SHARED
 
 
 def test_the_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
@@ -63,15 +64,17 @@ def test_host_replicas_need_a_served_profile(capsys: pytest.CaptureFixture[str])
     assert "host_replicas" in capsys.readouterr().err
 
 
-def test_a_served_profile_times_the_shapes_through_a_replica(ray_stopped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_served_profile_times_the_shapes_through_a_replica(ray_cluster: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """One replica of tiny on a local Ray cluster, over HTTP: every point measured, the replica's limits kept;
     then one and two replicas busy, and two with requests waiting: the host's share measured (shorter
     decodes and queues than a real measurement's, to keep the test short)."""
-    # ray_stopped: run_served starts its own local cluster in this process (cli.bench.harness.local_ray).
+    # On the session's cluster (its Serve port); on its own run_served starts a private one (harness.serve_on).
+    SHARED.serve_url()
     monkeypatch.setattr(served, "HOST_STEPS", 16)
     monkeypatch.setattr(served, "HOST_WAITING_PER_REPLICA", 8)
     out = run_served("tiny", runs=1, steps=2, num_cpus=2, prefill_tokens=(16, 64), decode_batches=(1, 2),
-                     decode_contexts=(32,), num_kv_pages=64, max_num_seqs=2, cpu_threads=1, host_replicas=(2,))
+                     decode_contexts=(32,), num_kv_pages=64, max_num_seqs=2, cpu_threads=1, host_replicas=(2,),
+                     serve_port=SHARED.serve_port)
     host = out["host"]
     assert host["replicas"] == [1, 2] and all(t > 0 for t in host["step_ms"]) and host["slowdown"][0] == 1.0
     assert host["waiting"] == 2 * 8 and host["waiting_step_ms"] > 0 and host["output_tokens"] == 17

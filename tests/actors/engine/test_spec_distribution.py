@@ -26,7 +26,11 @@ from scheduling.sampling_params import SamplingParams
 NUM_SAMPLES = 500
 P_MIN = 1e-3
 MIN_EXPECTED = 5.0  # pool categories expected fewer times than this in either arm
-PROMPT = "My favourite animals are cats, dogs and birds. My favourite animals are cats,"
+# Two pages and a token (33 tokens of 16-token pages): after one request has put its two pages in the prefix
+# cache, each sample computes one prompt token, not 33.
+PROMPT = ("A line from a children's book about all the pets that live on our street: "
+          "My favourite animals are cats, dogs and birds. My favourite animals are cats,")
+CACHED_TOKENS = 32
 ENGINE: dict[str, Any] = {"max_model_len": 256, "max_num_seqs": 128, "max_num_batched_tokens": 2048}
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3},
@@ -36,7 +40,9 @@ PARAMS = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
 
 
 def first_tokens(llm: LLM) -> Counter[tuple[int, ...]]:
+    llm.generate([PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)  # the prompt's pages into the cache
     outs = llm.generate([PROMPT] * NUM_SAMPLES, PARAMS, use_tqdm=False)
+    assert all(o.num_cached_tokens == CACHED_TOKENS for o in outs)
     return Counter(tuple(o.outputs[0].token_ids) for o in outs)
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only: the statistics read results, they need no
     from cli.bench.stream_client import RequestResult
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
-PERCENTILES = (50, 95, 99)
+PERCENTILES = (50, 90, 95, 99)
 
 
 def parse_slo(items: list[str] | dict[str, float] | None) -> dict[str, float]:
@@ -63,7 +63,7 @@ def _meets(r: RequestResult, slo: dict[str, float]) -> bool:
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float | None]:
-    """Mean and P50/P95/P99 in milliseconds (None when there are no samples)."""
+    """Mean and P50/P90/P95/P99 in milliseconds (None when there are no samples)."""
     if not values_s:
         return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
     ms = [v * 1000.0 for v in values_s]

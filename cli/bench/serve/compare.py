@@ -16,6 +16,8 @@ COMPARED: tuple[tuple[str, tuple[str, ...], bool, bool], ...] = (
     ("ttft_p95_ms", ("ttft_ms", "p95"), False, False),
     ("tpot_p50_ms", ("tpot_ms", "p50"), False, False),
     ("tpot_p95_ms", ("tpot_ms", "p95"), False, True),
+    ("itl_p50_ms", ("itl_ms", "p50"), False, False),
+    ("itl_p90_ms", ("itl_ms", "p90"), False, False),
     ("e2e_p95_ms", ("e2e_ms", "p95"), False, False),
 )
 

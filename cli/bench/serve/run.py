@@ -95,6 +95,9 @@ async def _run_rate(session: aiohttp.ClientSession, cfg: ServeBenchConfig, model
         "qps": summary["request_throughput"],
         "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p95_ms": summary["ttft_ms"]["p95"],
         "tpot_p50_ms": summary["tpot_ms"]["p50"], "tpot_p95_ms": summary["tpot_ms"]["p95"],
+        # Gaps between a stream's output chunks, over every stream: how smooth streaming is (a server that
+        # batches tokens into bursts can keep TPOT and still have a high P90 here).
+        "itl_ms_p50": summary["itl_ms"]["p50"], "itl_ms_p90": summary["itl_ms"]["p90"],
         "output_tok_per_s": summary["output_throughput"],
         "peak_memory_bytes": server["peak_memory_bytes"],
         "utilization": server["gpu_utilization_perc"] if server["gpu_utilization_perc"] is not None

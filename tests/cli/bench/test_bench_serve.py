@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from cli.bench.serve.arrivals import ArrivalConfig, arrival_offsets, parse_rates
-from cli.bench.serve.compare import compare
+from cli.bench.serve.compare import COMPARED, compare
 from cli.bench.serve.config import ServeBenchConfig, bench_config, resolve_settings
 from cli.bench.serve.datasets import DatasetConfig, build_requests
 from cli.bench.serve.server import parse_flotilla_metrics
@@ -168,7 +168,8 @@ def test_compare_exit_code_gates_on_tpot_p95_and_throughput(tmp_path: Path, caps
         err = capsys.readouterr().err
         assert "tpot_p95_ms" in err and ("REGRESSED" in err) == bool(code)
     rows, regressed = compare(_result(10.0, 4.0), _result(11.0, 4.0), threshold=0.2)
-    assert not regressed and len(rows) == 7
+    assert not regressed and len(rows) == len(COMPARED) == 9
+    assert {r["metric"] for r in rows} >= {"itl_p50_ms", "itl_p90_ms"}  # absent from these runs: reported, not gated
 
 
 def test_config_file_then_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -285,7 +286,11 @@ def test_live_run_through_the_cli(server: Any, tmp_path: Path, capsys: pytest.Ca
     assert run["usage_reported"] and run["total_output_tokens"] == expected  # ignore_eos: every token asked for
     assert run["request_rate"] == 50.0 and run["max_concurrency"] == 4 and run["duration_s"] > 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        assert set(run[key]) == {"mean", "p50", "p95", "p99"} and run[key]["p50"] > 0
+        assert set(run[key]) == {"mean", "p50", "p90", "p95", "p99"} and run[key]["p50"] > 0
+        assert run[key]["p50"] <= run[key]["p90"] <= run[key]["p95"] <= run[key]["p99"]
+    headline = run["headline"]
+    assert (headline["itl_ms_p50"], headline["itl_ms_p90"]) == (run["itl_ms"]["p50"], run["itl_ms"]["p90"])
+    assert printed["runs"][0]["headline"]["itl_ms_p90"] == headline["itl_ms_p90"]
     assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"]
     assert run["goodput"]["good_requests"] == 8
     assert run["server_metrics"]["peak_memory_bytes"] > 0 and run["server_metrics"]["memory_limit_bytes"] > 0

@@ -66,13 +66,16 @@ def oracle(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]], list[to
     gguf = preset_gguf_path("smollm2-135m")
     hf: PreTrainedModel = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                                dtype=torch.float32).eval()
-    tokens, logprobs = [], []
+    # One batch, padded on the left under an attention mask (transformers' own batched generation: positions
+    # from the mask, padding never attended), instead of 16 generate calls.
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            logprobs.append(torch.log_softmax(torch.cat(out.scores).float(), dim=-1))
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[:, width:].tolist()
+    logprobs = list(torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1))  # [prompt][step, vocab]
     return prompts, tokens, logprobs
 
 

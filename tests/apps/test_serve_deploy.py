@@ -20,7 +20,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.serve_harness import http, wait_healthy
+from tests.serve_harness import http, poll_until, wait_healthy
 from tests.shared_ray import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,12 +75,23 @@ def test_ray_start_serve_deploy_serve_status(ray_head: tuple[str, dict[str, str]
     deploy_file.write_text(yaml.safe_dump(config))
 
     deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-    while True:  # the dashboard's REST API comes up a little after the GCS
+
+    def dashboard_up() -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            return http(f"{dashboard}/api/serve/applications/")[0] == 200
+        return False
+
+    # The dashboard's REST API comes up a little after the GCS: polled over HTTP, not by CLI runs (each a
+    # Python start that competes with the cluster's own start for the two cores).
+    poll_until(dashboard_up, DEPLOY_TIMEOUT_S, "the dashboard's REST API")
+    while True:
         done = _serve(["deploy", str(deploy_file), "-a", dashboard], env)
         if done.returncode == 0:
             break
         assert time.monotonic() < deadline, f"serve deploy failed: {done.stderr[-2000:]}"
 
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, DEPLOY_TIMEOUT_S)  # then `serve status` says RUNNING within a call or two
     while True:  # each poll is a CLI round trip: no sleep needed
         out = _serve(["status", "-a", dashboard], env)
         status = yaml.safe_load(out.stdout or "{}") or {}
@@ -90,8 +101,6 @@ def test_ray_start_serve_deploy_serve_status(ray_head: tuple[str, dict[str, str]
         assert app.get("status") != "DEPLOY_FAILED", out.stdout[-3000:]
         assert time.monotonic() < deadline, f"not RUNNING in time: {out.stdout[-2000:]}"
 
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
     status_code, body = http(f"{url}/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 4})
     assert status_code == 200, body
     assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["text"]

@@ -19,6 +19,18 @@ settings.register_profile("flotilla", derandomize=True)
 settings.load_profile("flotilla")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules marked ``ray`` (they use the session's shared cluster) run after all the others, together, each
+    module's tests still in a row and in their order (a stable sort on a per-module key).
+
+    A running cluster costs CPU while idle (Ray, Serve's controller and proxy, each app's replica and scheduler
+    actor): on a 2-core machine that is taken from every CPU-bound test run while it is up, and once started
+    it stays up to the end. Run last, the CPU-bound tests never share the machine with it. Order only: a test
+    that passes here passes alone.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)  # a module's mark: one key per module
+
+
 @pytest.fixture(autouse=True)
 def seeded_rng(request: pytest.FixtureRequest) -> None:
     """Python's and (where loaded) torch's global generators seeded from the test's id: a test that draws

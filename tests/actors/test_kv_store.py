@@ -32,6 +32,8 @@ from tests.actors.engine.test_kv_offload import (
 )
 from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 CLUSTER = {"cluster": True, "load_wait_s": 30.0}  # a busy CI box: a load never times out into a recompute here
 
 

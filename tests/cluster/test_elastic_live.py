@@ -29,6 +29,8 @@ from apps.builder import build_app
 from flotilla.sse import DONE, SSEDecoder
 from tests.serve_harness import ENGINE, LiveServer, http, live_server, poll_until
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 SMALL: dict[str, Any] = {"max_num_seqs": 2, "scheduler_options": {"num_cpus": 0.1},
                          "replica_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 60}
 ROUTER = {"imbalance_threshold": 100}  # affinity always wins here: the assertion is exact

@@ -28,6 +28,8 @@ from kvcache.page_allocator import PageAllocator
 from scheduling.policy import BatchPolicy
 from scheduling.scheduler_config import SchedulerConfig
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 if TYPE_CHECKING:
     from actors.engine.llm_engine import LLMEngine
 

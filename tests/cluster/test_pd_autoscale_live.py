@@ -26,6 +26,8 @@ from ray import serve
 from actors.api import EngineStats
 from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer, http, live_server, poll_until
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 DECODE_ACTOR = "pd-autoscale-decode-scheduler"
 APP = "pd-autoscale"  # beside the session's tiny app on the shared cluster (tests.serve_harness.live_server)
 PREFILL, DECODE = "PrefillServer", "LLMServer"

@@ -13,6 +13,8 @@ import flotilla
 from flotilla import AsyncClient, Client
 from tests.serve_harness import LiveServer, http, poll_until, shared_tiny
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
 PROMPT = "Once upon a time"
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "hi there"}]

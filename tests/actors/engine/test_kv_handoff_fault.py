@@ -20,6 +20,8 @@ from actors.scheduler.actor import SchedulerActor, SchedulerService
 from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.engine.test_kv_handoff import ENGINE, GREEDY, PROMPTS, assert_all_free
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 PROMPT = PROMPTS[-1]  # 102 tokens: chunked prefill, several KV pages
 REQUEST_ID = "m"
 CONSUMER = "pd"

@@ -18,6 +18,8 @@ from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import FAMILY_CONFIGS, write_checkpoint
 from tests.actors.engine.test_engine_oracle import PROMPTS
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256,
                           "num_kv_pages": 96, "dtype": "float32", "device": "cpu"}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

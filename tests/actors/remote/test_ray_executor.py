@@ -36,6 +36,8 @@ from tests.actors.checkpoints import (
 from tests.actors.engine.test_embeddings import TOL, hf_embedding, max_error
 from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 # llama: GQA, 2 KV heads split 1 per rank; qwen2: MQA, its 1 KV head replicated on both ranks.

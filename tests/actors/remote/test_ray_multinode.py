@@ -21,6 +21,8 @@ from apps.llm import LLM
 from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import llama_config, write_checkpoint
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 PROMPTS = [[1, 17, 300, 4, 4, 99, 511, 256, 3], [1, 40, 41, 42], [5] * 20]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "num_kv_pages": 32, "dtype": "float32", "device": "cpu"}

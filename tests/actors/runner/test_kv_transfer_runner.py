@@ -21,6 +21,8 @@ from kvcache.kv_transfer import KVPayload, KVPayloadMismatchError
 from scheduling.batch import Batch, BatchKVMoves, StepOutput
 from scheduling.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 GREEDY = SamplingParams(temperature=0.0, logprobs=5).sampler_view()
 PROMPT = [(7 * i + 3) % 250 + 3 for i in range(37)]  # 3 pages of 16, the last one partly full
 NUM_DECODE = 4

@@ -20,6 +20,8 @@ from scheduling.sampling_params import SamplingParams
 from tests.actors.checkpoints import write_llama_with_tokenizer
 from tests.actors.fault_injection import FaultyExecutor, Signals
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 16, "max_num_batched_tokens": 512,
                           "dtype": "float32", "device": "cpu", "num_kv_pages": 128}
 PROMPTS = [[5 + (i * 7 + j * 3) % 200 for j in range(8 + 3 * i)] for i in range(5)]

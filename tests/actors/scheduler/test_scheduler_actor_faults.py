@@ -28,6 +28,8 @@ from tests.actors.step_faults import (
     break_settling,
 )
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 ENGINE: dict[str, Any] = {"max_model_len": 128, "max_num_seqs": 8, "max_num_batched_tokens": 256,
                           "dtype": "float32", "device": "cpu", "num_kv_pages": 64}
 PROMPT = [5 + (j * 7) % 200 for j in range(40)]  # two full pages and a part

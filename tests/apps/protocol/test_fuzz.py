@@ -31,6 +31,8 @@ from apps.protocol.errors import INTERNAL_ERROR_MESSAGE
 from tests.actors.fault_injection import replica_actors
 from tests.serve_harness import ENGINE, LiveServer, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
          "embeddings": "/v1/embeddings"}
 BASES: dict[str, dict[str, Any]] = {

@@ -37,6 +37,8 @@ from tests.actors.fault_injection import (
 )
 from tests.serve_harness import ACTOR_NAMESPACE, LiveServer, http, poll_until
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 APP = "faults"
 DEADLINE_S = 180.0  # bound of every wait (a replacement starts 2-3 processes; CI boxes are slow)
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}  # fits max_model_len below

@@ -21,6 +21,8 @@ from scheduling.errors import InvalidParameterError
 from scheduling.sampling_params import SamplingParams
 from tests.serve_harness import LiveServer, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -24,6 +24,8 @@ import flotilla
 from apps.builder import build_app
 from tests.serve_harness import ACTOR_NAMESPACE, ENGINE, TIMEOUT, LiveServer, http, wait_healthy
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 KEYS = ["key-one", "key-two"]
 GOOD = {"Authorization": "Bearer key-two"}
 OTHER = {"Authorization": "Bearer key-one"}

@@ -15,6 +15,8 @@ import pytest
 from tests.apps.pd_harness import PDServer, shared_pd
 from tests.serve_harness import TIMEOUT, LiveServer, http, poll_until
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 LONG = {"model": "tiny", "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True}
 
 

@@ -18,6 +18,8 @@ import torch
 from apps.llm import LLM
 from tests.serve_harness import LiveServer, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 TEXTS = ["Once upon a time", "The sea was calm", "a", "Ships sail at dawn and return at dusk, laden with fish.",
          "1 2 3 4 5 6 7 8", "¿Dónde está la biblioteca?", "tiny models say noise", "the end"]
 TOL = 1e-5

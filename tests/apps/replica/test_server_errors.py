@@ -8,6 +8,8 @@ import pytest
 
 from tests.serve_harness import ENGINE, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 MAX_LEN = int(ENGINE["max_model_len"])
 VOCAB_OVERFLOW = 10**7
 TOO_BIG = b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}'

@@ -20,6 +20,8 @@ from apps.builder import build_app
 from scheduling.errors import InvalidParameterError
 from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, app_beside, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 APP = "in-replica"
 GREEDY = {"model": "tiny", "prompt": "the same text", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 

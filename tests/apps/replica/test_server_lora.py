@@ -28,6 +28,8 @@ from scheduling.sampling_params import SamplingParams
 from tests.actors.lora_fixtures import PROJECTION_SETS, make_peft_adapter
 from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, app_beside, http, poll_until
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 APP = "lora"
 PROMPTS = [[40 + i, 7, 99, 3 * i + 5, 12, 200 - i] for i in range(4)]
 MAX_TOKENS = 12

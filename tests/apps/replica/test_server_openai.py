@@ -17,6 +17,8 @@ from flotilla.sse import DONE, SSEDecoder
 from scheduling.sampling_params import SamplingParams
 from tests.serve_harness import TIMEOUT, LiveServer, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 TOL = 1e-3  # same weights and kernels; only batch composition may differ
 

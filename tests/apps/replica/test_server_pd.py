@@ -18,6 +18,8 @@ from scheduling.sampling_params import SamplingParams
 from tests.apps.pd_harness import PDServer, pd_app, shared_pd
 from tests.serve_harness import ACTOR_NAMESPACE, TIMEOUT, LiveServer
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 LONG = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(4)]
 SHORT = "hi"
 

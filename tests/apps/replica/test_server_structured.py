@@ -22,6 +22,8 @@ from openai.types.chat import ChatCompletion
 
 from tests.serve_harness import LiveServer, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_tokens": 200}
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},

@@ -24,6 +24,8 @@ from cluster.response_ids import replica_tag
 from flotilla import Client
 from tests.serve_harness import ENGINE, TIMEOUT, LiveServer, app_beside, http
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
         "additionalProperties": False}
 WEATHER = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "rain": {"type": "boolean"}},

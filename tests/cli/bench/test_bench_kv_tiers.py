@@ -11,6 +11,8 @@ from actors.load.loader import load_tokenizer, resolve_model_path
 from cli.bench.kv_tiers.conversations import conversations, unique_prompts
 from cli.main import main
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 SET_KEYS = {"turn2plus_prefill_tokens", "turn2plus_ttft_p50_ms", "turn2plus_ttft_p95_ms", "no_reuse_output_tok_per_s",
             "new_replica_cluster_hits"}  # fmt: skip
 

@@ -30,6 +30,8 @@ from cluster.metrics import ReplicaMetrics
 from scheduling.errors import InvalidParameterError
 from tests.shared_ray import SHARED
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 MODE_KEYS = {"requests", "failed", "tpot_p50_ms", "tpot_p95_ms", "ttft_p95_ms", "long_ttft_p95_ms", "goodput",
              "goodput_fraction"}
 TRANSFER_KEYS = {"remote_prefills", "prefill_retries", "kv_bytes_total", "kv_bytes_per_token", "kv_transfer_ms_p50",

@@ -15,6 +15,8 @@ from cli.simulate.profile import LinearProfile, StepShape, load_profile
 from scheduling.errors import InvalidParameterError
 from tests.shared_ray import SHARED
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 
 def test_the_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
     truth = (0.002, 5e-5, 2e-5, 1e-3, 3e-7, 1e-8)

@@ -25,6 +25,8 @@ from cli.bench.workload import BenchRequest
 from cli.main import main
 from scheduling.errors import InvalidParameterError
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 
 # ------------------------------------------------------------------ datasets
 def test_random_dataset_lengths_vocab_and_seed() -> None:

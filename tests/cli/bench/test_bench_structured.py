@@ -24,6 +24,8 @@ from cli.main import main
 from scheduling.errors import InvalidParameterError
 from tests.serve_harness import LiveServer, shared_tiny
 
+pytestmark = pytest.mark.ray  # on the session's shared cluster: run with the other Ray modules, last (tests/conftest.py)
+
 SHORT = [
     {"name": "pick", "prompt": "Pick a colour and a size.", "schema": {
         "type": "object", "additionalProperties": False, "required": ["color", "size"],

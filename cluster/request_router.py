@@ -45,6 +45,7 @@ from cluster.pending_requests import (
     request_owner,
 )
 from cluster.routing import PrefixRouterCore
+from scheduling.errors import InvalidParameterError
 
 # The keys ``ReplicaStats.record_routing_stats`` reports the replica's loaded LoRA adapters and
 # its base model's served name under (a request for the base model is no adapter request).
@@ -52,8 +53,10 @@ ROUTING_LORAS = "loras"
 ROUTING_SERVED_MODEL = "served_model"
 # request_router_kwargs key: the base model's served name in an app that serves adapters.
 LORA_BASE_MODEL = "lora_base_model"
-# The key ``ReplicaStats.record_routing_stats`` reports requests open on a replica under.
+# The key ``ReplicaStats.record_routing_stats`` reports requests open on a replica under, and the one
+# naming that report (its time): picks made since a replica's last report count on top of its figure.
 ROUTING_NUM_OPEN = "num_open"
+ROUTING_REPORTED_AT = "reported_at"
 ROUTER_CLASS = "cluster.request_router:PrefixAwareRequestRouter"
 _SESSION_KEY_CHARS = 64  # sha256 hex: sessions match whole or not at all
 
@@ -154,6 +157,10 @@ class PrefixAwareRequestRouter(RequestRouter):
     _num_inflight: dict[str, int]
     # The base model's served name when the app serves LoRA adapters (None: read from the replicas' stats).
     _lora_base_model: str | None
+    # Picks Serve never reports as sent (HAProxy's ingress router picks without dispatching,
+    # cluster.ingress_router), per replica: (the report they follow, how many). Without them every
+    # request of a burst would see the same stale figures.
+    _unreported: dict[str, tuple[object, int]]
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Called by Serve with ``request_router_kwargs``: ``PrefixRouting``'s keywords, and
@@ -161,6 +168,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._lora_base_model = kwargs.pop(LORA_BASE_MODEL, None)
         self._routing = PrefixRouting(**kwargs)
         self._num_inflight = {}
+        self._unreported = {}
 
     def _state(self) -> PrefixRouting:
         if not hasattr(self, "_routing"):  # Serve calls initialize_state; a bare construction may not
@@ -169,14 +177,24 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def replica_load(self, replica: RunningReplica) -> float:
         """Requests on ``replica``: what this router has in flight there (or Serve's cached
-        queue length, if larger); for a replica it never used, its last routing stats."""
+        queue length, if larger); for a replica it never sent to, its last routing stats plus
+        the picks made since that report."""
         self._state()
         rid = replica_key(replica.replica_id)
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         if rid in self._num_inflight or cached is not None:
             return float(max(self._num_inflight.get(rid, 0), cached or 0))
         stats = replica.routing_stats or {}
-        return float(stats.get(ROUTING_NUM_OPEN, 0.0))
+        report, picks = self._unreported.get(rid, (None, 0))
+        since = picks if report == stats.get(ROUTING_REPORTED_AT) else 0
+        return float(stats.get(ROUTING_NUM_OPEN, 0.0)) + since
+
+    def _count_pick(self, replica: RunningReplica) -> None:
+        """``replica`` was picked: one more request on it until its next report says otherwise."""
+        rid = replica_key(replica.replica_id)
+        report = (replica.routing_stats or {}).get(ROUTING_REPORTED_AT)
+        last, picks = self._unreported.get(rid, (None, 0))
+        self._unreported[rid] = (report, picks + 1 if last == report else 1)
 
     async def choose_replicas(
         self,
@@ -211,6 +229,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             # strict-queue path, and the first rank is refused only when a replica is
             # full (then the tree is briefly wrong about one prompt: harmless).
             self._state().record(key, ranks[0][0], now)
+            self._count_pick(by_id[ranks[0][0]])
             if adapter_on is not None and model is not None:
                 self._state().record_adapter(model, ranks[0][0], now)
         if pending_request is not None:
@@ -237,8 +256,9 @@ class PrefixAwareRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         live = {replica_key(r.replica_id) for r in replicas}
         self._state().forget_missing(live)
-        for rid in [r for r in self._num_inflight if r not in live]:
-            del self._num_inflight[rid]
+        for gone in (self._num_inflight, self._unreported):
+            for rid in [r for r in gone if r not in live]:
+                del gone[rid]
 
 
 def router_config(options: Mapping[str, Any] | str | None,
@@ -246,14 +266,15 @@ def router_config(options: Mapping[str, Any] | str | None,
     """``request_router_config`` for a deployment from the app's ``request_router`` argument.
 
     ``"prefix"`` (or a dict ``{"kind": "prefix", <PrefixRouting keywords>,
-    "stats_period_s": 2}``) selects this router; ``"default"`` / None keeps
-    Serve's power of two choices. Invalid keywords fail here, at build time.
+    "stats_period_s": 2}``) selects this router, and so does None (the
+    default: requests that share a prompt's start go where it is cached);
+    ``"default"`` keeps Serve's power of two choices. Invalid keywords fail
+    here, at build time.
     """
-    from scheduling.errors import InvalidParameterError
-
-    if options is None or options == "default":
+    if options == "default":
         return None
-    opts: dict[str, Any] = {"kind": options} if isinstance(options, str) else dict(options)
+    opts: dict[str, Any] = {"kind": options or "prefix"} if options is None or isinstance(options, str) \
+        else dict(options)
     kind = opts.pop("kind", "prefix")
     if kind == "default":
         return None

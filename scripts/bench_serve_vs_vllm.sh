@@ -4,8 +4,10 @@
 # MODEL is anything flotilla loads (tiny, small, smollm2-135m, a folder, a .gguf file); vLLM gets its folder.
 # The real model with real chats: bash scripts/bench_serve_vs_vllm.sh smollm2-135m .bench/chat scripts/bench_serve_chat.yaml
 # The overhead pair on tiny: scripts/bench_serve_tiny_streams.yaml (32 streams), then scripts/bench_serve_tiny_lone.yaml (8 lone).
-# INGRESS (default proxy) is flotilla serve's --ingress; INGRESS="proxy haproxy" runs flotilla once
-# with each, before the one vLLM run. Needs `make peer-vllm` (the .peer-vllm venv). Writes
+# INGRESS (default: "default") is flotilla serve's --ingress; INGRESS="proxy haproxy" runs flotilla once
+# with each, before the one vLLM run. Two more names: "default" passes no --ingress, --router or
+# --scheduler-placement (what a newcomer runs), "before" is Step 31's starting point (Serve's proxy and its
+# power of two choices: --ingress proxy --router default). Needs `make peer-vllm` (the .peer-vllm venv). Writes
 # flotilla_<ingress>.json, vllm.json (+ PNGs) under OUT_DIR and prints a comparison table per
 # ingress (flotilla as "new", vLLM as "base"). PLACEMENT (default actor) is --scheduler-placement;
 # PLACEMENT="actor replica" runs each ingress with each (a replica-placed run is named
@@ -13,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model_name=${1:-small} out=${2:-.bench/serve} config=${3:-scripts/bench_serve_compare.yaml}
-ingresses=${INGRESS:-proxy} placements=${PLACEMENT:-actor}
+ingresses=${INGRESS:-default} placements=${PLACEMENT:-actor}
 mkdir -p "$out"
 model=$(.venv/bin/python -c "from actors.load.loader import resolve_model_path as r; print(r('$model_name'))")
 export RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1
@@ -36,8 +38,14 @@ for ingress in $ingresses; do
   for placement in $placements; do
     name=flotilla_$ingress; [ "$placement" = actor ] || name=${name}_$placement
     names+=("$name")
+    case $ingress in
+      default) flags=() ;;
+      before) flags=(--ingress proxy --router default) ;;
+      *) flags=(--ingress "$ingress") ;;
+    esac
+    [ "$placement" = actor ] || flags+=(--scheduler-placement "$placement")
     .venv/bin/flotilla serve --model "$model" --port 8200 --dtype float32 --max-num-seqs 64 \
-      --max-model-len 2048 --ingress "$ingress" --scheduler-placement "$placement" > "$out/${name}_server.log" 2>&1 &
+      --max-model-len 2048 "${flags[@]}" > "$out/${name}_server.log" 2>&1 &
     pid=$!
     wait_up http://127.0.0.1:8200 && bench http://127.0.0.1:8200 "$name"
     stop

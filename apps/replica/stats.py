@@ -35,7 +35,12 @@ from actors.api import EngineStats, LatencyWindow, SequenceDelta
 from actors.scheduler.handle import SchedulerHandle
 from apps.outputs.stream_fanout import StreamFanout
 from cluster.autoscaling_metrics import autoscaling_stats, recent_latency_window
-from cluster.request_router import ROUTING_LORAS, ROUTING_NUM_OPEN, ROUTING_SERVED_MODEL
+from cluster.request_router import (
+    ROUTING_LORAS,
+    ROUTING_NUM_OPEN,
+    ROUTING_REPORTED_AT,
+    ROUTING_SERVED_MODEL,
+)
 
 STATS_TIMEOUT_S = 5.0  # below Serve's 10 s limit on record_autoscaling_stats
 HEALTH_TIMEOUT_S = 10.0  # a replica's wait for its scheduler's health or stats (check_health, /health, /metrics)
@@ -84,6 +89,7 @@ class ReplicaStats:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Requests open on this replica (the router's load figure for replicas it never used)."""
         stats = await self.engine_stats()
-        return {ROUTING_NUM_OPEN: int(self._fanout.num_open), "num_waiting": stats.num_waiting,
+        return {ROUTING_NUM_OPEN: int(self._fanout.num_open), ROUTING_REPORTED_AT: time.monotonic(),
+                "num_waiting": stats.num_waiting,
                 "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, ROUTING_LORAS: list(stats.lora_adapters),
                 ROUTING_SERVED_MODEL: self.model_name}

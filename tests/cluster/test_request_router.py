@@ -104,7 +104,8 @@ def test_forgetting_a_replica_that_left() -> None:
 
 @pytest.mark.parametrize(
     ("option", "expected"),
-    [(None, None), ("default", None), ({"kind": "default"}, None),
+    [(None, {"request_router_class": ROUTER_CLASS, "request_router_kwargs": {},
+             "request_routing_stats_period_s": 2.0}), ("default", None), ({"kind": "default"}, None),
      ("prefix", {"request_router_class": ROUTER_CLASS, "request_router_kwargs": {},
                  "request_routing_stats_period_s": 2.0}),
      ({"imbalance_threshold": 4, "stats_period_s": 1},
@@ -278,7 +279,7 @@ def test_requests_about_a_stored_response_go_to_the_replica_that_holds_it() -> N
         dep = DeploymentID(name="LLMServer", app_name="flotilla")
         router = PrefixAwareRequestRouter(dep, DeploymentHandleSource.UNKNOWN)
         router.initialize_state(imbalance_threshold=1, seed=0)
-        replicas = [_replica(n, dep, {"num_open": load}) for n, load in (("a", 0), ("b", 50), ("c", 1))]
+        replicas = [_replica(n, dep, {"num_open": load}) for n, load in (("a", 0), ("b", 50), ("c", 3))]
         meta = SimpleNamespace(internal_request_id="r", multiplexed_model_id="")
         headers = [(b"x-flotilla-previous-response", rid.encode())]
         continuation = PendingRequest(args=[pickle.dumps(Scope(headers, "/v1/responses"))], kwargs={}, metadata=meta)

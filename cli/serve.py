@@ -153,7 +153,8 @@ def elastic_args(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, name) is not None:
                 auto[name] = getattr(args, name)
         out["autoscaling"] = auto
-    out["request_router"] = args.router
+    if args.router != "prefix":  # prefix is build_app's default
+        out["request_router"] = args.router
     if args.graceful_shutdown_timeout_s is not None:
         out["graceful_shutdown_timeout_s"] = args.graceful_shutdown_timeout_s
     if args.replica_num_cpus is not None:

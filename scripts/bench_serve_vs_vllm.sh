@@ -3,7 +3,9 @@
 #   bash scripts/bench_serve_vs_vllm.sh [MODEL=small] [OUT_DIR=.bench/serve] [CONFIG=scripts/bench_serve_compare.yaml]
 # MODEL is anything flotilla loads (tiny, small, smollm2-135m, a folder, a .gguf file); vLLM gets its folder.
 # The real model with real chats: bash scripts/bench_serve_vs_vllm.sh smollm2-135m .bench/chat scripts/bench_serve_chat.yaml
-# The overhead pair on tiny: scripts/bench_serve_tiny_streams.yaml (32 streams), then scripts/bench_serve_tiny_lone.yaml (8 lone).
+# The overhead pair on tiny: scripts/bench_serve_tiny_streams.yaml (32 streams), then scripts/bench_serve_tiny_lone.yaml (8 lone);
+# both on one start of each server: CONFIG=scripts/bench_serve_tiny_streams.yaml,scripts/bench_serve_tiny_lone.yaml.
+# Step 31's rounds: scripts/bench_step31.sh.
 # INGRESS (default: "default") is flotilla serve's --ingress; INGRESS="proxy haproxy" runs flotilla once
 # with each, before the one vLLM run. Two more names: "default" passes no --ingress, --router or
 # --scheduler-placement (what a newcomer runs), "before" is Step 31's starting point (Serve's proxy and its
@@ -30,8 +32,19 @@ wait_up() {  # bounded: 600 s for a server to answer /health
   done
   return 1
 }
-bench() { .venv/bin/flotilla bench serve --config "$config" --base-url "$1" \
-            --out "$out/$2.json" --plot "$out/$2.png" > /dev/null; }
+# CONFIG may list several configs, comma-separated: each server then runs them all, one after the other,
+# and every result is named <server>_<config's name> (scripts/bench_serve_tiny_streams.yaml -> _tiny_streams).
+IFS=, read -ra configs <<< "$config"
+result() {  # result SERVER CONFIG: the JSON's name (without .json)
+  if [ "${#configs[@]}" -eq 1 ]; then echo "$1"; else local c; c=$(basename "$2" .yaml); echo "$1_${c#bench_serve_}"; fi
+}
+bench() {
+  local c
+  for c in "${configs[@]}"; do
+    .venv/bin/flotilla bench serve --config "$c" --base-url "$1" --out "$out/$(result "$2" "$c").json" \
+      --plot "$out/$(result "$2" "$c").png" > /dev/null
+  done
+}
 
 names=()
 for ingress in $ingresses; do
@@ -55,7 +68,10 @@ bash ../shared/peers/vllm_cpu_serve.sh .peer-vllm "$model" 8100 > "$out/vllm_ser
 pid=$!
 wait_up http://127.0.0.1:8100 && bench http://127.0.0.1:8100 vllm
 stop
-for name in "${names[@]}"; do
-  echo "== $name (new) vs vLLM (base)" >&2
-  .venv/bin/flotilla bench serve --load "$out/$name.json" --compare "$out/vllm.json" > /dev/null || true
+for c in "${configs[@]}"; do
+  for name in "${names[@]}"; do
+    echo "== $(result "$name" "$c") (new) vs vLLM (base)" >&2
+    .venv/bin/flotilla bench serve --load "$out/$(result "$name" "$c").json" \
+      --compare "$out/$(result vllm "$c").json" > /dev/null || true
+  done
 done

@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +167,19 @@ def _replica_urls(proc: psutil.Popen) -> list[str]:
             for c in r.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"]
 
 
+def _haproxy_servers(proc: psutil.Popen) -> int:
+    """LLMServer replicas in the configuration HAProxy runs (its ``-f`` file; 0 while none runs)."""
+    for haproxy in _descendants(proc, "haproxy"):
+        try:
+            args = haproxy.cmdline()
+        except psutil.NoSuchProcess:  # replaced by a reload while we look
+            continue
+        if "-f" in args:
+            config = Path(args[args.index("-f") + 1]).read_text()
+            return len(set(re.findall(r"^\s*server (SERVE_REPLICA_flotilla-LLMServer-\S+) ", config, re.M)))
+    return 0
+
+
 def test_requests_sharing_a_document_go_where_it_is_cached(tmp_path: Path) -> None:
     """Two replicas, no routing header: the router reads the prompt from the body HAProxy forwards. Every
     request after the first of its document finds the document cached; HAProxy's own balancing (least
@@ -173,6 +187,10 @@ def test_requests_sharing_a_document_go_where_it_is_cached(tmp_path: Path) -> No
     args = [*ARGS, "--replicas", "2", "--replica-num-cpus", "0.5", "--scheduler-num-cpus", "0.5"]
     with cli_server(args, tmp_path / "serve.log") as (url, proc):
         poll_until(lambda: len(_replica_urls(proc)) == 2, DEADLINE_S, "two replicas serving HTTP")
+        # HAProxy learns of a new replica a moment after it listens; a pick it does not know yet goes through
+        # Serve's fallback proxy (affinity lapses for that request), so the test starts once it knows both.
+        poll_until(lambda: _haproxy_servers(proc) == 2, DEADLINE_S, lambda: f"HAProxy to list two replicas, "
+                   f"not {_haproxy_servers(proc)}")  # fmt: skip
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         docs = [f"[document {d}] " + "".join(chr(97 + (d * 7 + i * 3) % 26) for i in range(200)) for d in range(5)]
         cached: dict[int, list[int]] = {d: [] for d in range(len(docs))}

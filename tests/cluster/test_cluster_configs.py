@@ -33,6 +33,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
 from apps.builder import build_app
+from cli.ingress import DRAINING_DEFAULT_S, DRAINING_ENV, HAPROXY_ENV
+from cluster.pending_requests import ROUTER_ENVIRONMENT
 from scripts.e2e.check_serving import app_status, serve_url
 from scripts.e2e.node_requirements import node_requirements
 from scripts.e2e.render_config import loopback_config
@@ -128,7 +130,18 @@ def test_token_reaches_every_node_and_ray_requires_it(name: str) -> None:
     assert config["file_mounts"][TOKEN_PATH] == TOKEN_PATH
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         command = ray_start(config[key])
-        assert re.search(r"(^|[;\s])RAY_AUTH_MODE=token ray start ", command), (key, command)
+        assert re.search(r"(^|[;\s])RAY_AUTH_MODE=token (\S+=\S+ )*ray start ", command), (key, command)
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])
+def test_every_node_starts_with_haproxy_s_direct_ingress_and_the_router_s_view(name: str) -> None:
+    """What ``flotilla serve`` sets for the cluster it starts (cli.ingress), every node gets: Serve reads it
+    in the controller, HAProxy's manager and each replica."""
+    config = load(name)
+    wanted = {**dict.fromkeys(HAPROXY_ENV[:2], "1"), **ROUTER_ENVIRONMENT, DRAINING_ENV: DRAINING_DEFAULT_S}
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assigned = dict(re.findall(r"(RAY_\w+)=(\S+)", ray_start(config[key])))
+        assert {k: assigned.get(k) for k in wanted} == wanted, key
 
 
 @pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])

@@ -46,8 +46,10 @@ methods' annotations at runtime (a string ``Request`` became a body field).
 import asyncio
 import contextlib
 import functools
+import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -82,11 +84,13 @@ from apps.replica.disaggregation import (
 from apps.replica.lora import ActorCatalog, ReplicaLoRAs
 from apps.replica.requests import ReplicaRequests
 from apps.replica.stats import HEALTH_TIMEOUT_S, ReplicaStats
+from apps.responses.forward import StoredResponseMethod, at_holder
 from apps.responses.output import ResponseAssembler
 from apps.responses.service import ResponsesService, rename_error
 from apps.responses.store import DEFAULT_MAX_STORED_RESPONSE_BYTES, DEFAULT_MAX_STORED_RESPONSES
 from apps.tools.choice import tool_plan
 from cluster.metrics import CONTENT_TYPE, ReplicaMetrics
+from cluster.pending_requests import RequestArg
 from cluster.response_ids import response_id
 from scheduling.errors import InvalidParameterError
 
@@ -253,21 +257,35 @@ class LLMServer(ReplicaStats, ReplicaRequests):
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request) -> Response:
-        """A stored response (404 naming the id when this replica does not hold it for the caller's key)."""
-        try:
-            owner = self.auth.check(request.headers.get("authorization"))
-            return JSONResponse(self._responses.lookup(response_id, owner).response)
-        except Exception as exc:
-            return error_json(exc)
+        """A stored response, from the replica holding it (``apps.responses.forward``); 404 naming the id when
+        it holds none for the caller's key."""
+        return await self._stored(response_id, "GET", request.headers.get("authorization"), forward=True)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> Response:
-        """Forget a stored response (404 naming the id when this replica does not hold it for the caller's key)."""
+        """Forget a stored response, on the replica holding it (404 naming the id when it holds none for the
+        caller's key)."""
+        return await self._stored(response_id, "DELETE", request.headers.get("authorization"), forward=True)
+
+    async def stored_response(self, arg: RequestArg, method: StoredResponseMethod,
+                              authorization: str | None) -> tuple[int, dict[str, Any]]:
+        """A replica that does not hold a response asks this one (the router sent the call here by its id)."""
+        rid = arg.value.get("previous_response_id", "") if isinstance(arg.value, Mapping) else ""
+        reply = await self._stored(str(rid), method, authorization, forward=False)
+        return reply.status_code, json.loads(bytes(reply.body))
+
+    async def _stored(self, rid: str, method: StoredResponseMethod, authorization: str | None, *,
+                      forward: bool) -> JSONResponse:
         try:
-            self._responses.delete(response_id, self.auth.check(request.headers.get("authorization")))
+            owner = self.auth.check(authorization)  # here too: no unauthenticated call crosses to the holder
+            if forward and (held := await at_holder(rid, self._responses.tag, method, authorization)) is not None:
+                return JSONResponse(held[1], status_code=held[0])
+            if method == "GET":
+                return JSONResponse(self._responses.lookup(rid, owner).response)
+            self._responses.delete(rid, owner)
         except Exception as exc:
             return error_json(exc)
-        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:

@@ -77,9 +77,10 @@ class ResponsesService:
             return entry
         holder = replica_tag(rid)
         if holder is not None and holder != self.tag:
-            raise APIError(404, f"response '{rid}' is held by replica {holder}, not this one ({self.tag}): send "
-                                f"the request with the header {PREVIOUS_RESPONSE_HEADER}: {rid} so it is routed "
-                                f"there (the flotilla SDK does)", param=param, code="response_on_other_replica")
+            raise APIError(404, f"response '{rid}' is held by replica {holder}, not this one ({self.tag}), which "
+                                f"may have left the fleet; behind Serve's proxy, send the request with the header "
+                                f"{PREVIOUS_RESPONSE_HEADER}: {rid} so it is routed there (the flotilla SDK does)",
+                           param=param, code="response_on_other_replica")
         raise APIError(404, f"no response with id '{rid}' is stored on this replica for this API key (it was never "
                             "made, was made with store=false or another key, was deleted, or was evicted from "
                             "the bounded store)",

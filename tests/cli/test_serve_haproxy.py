@@ -180,28 +180,52 @@ def _haproxy_servers(proc: psutil.Popen) -> int:
     return 0
 
 
-def test_requests_sharing_a_document_go_where_it_is_cached(tmp_path: Path) -> None:
-    """Two replicas, no routing header: the router reads the prompt from the body HAProxy forwards. Every
-    request after the first of its document finds the document cached; HAProxy's own balancing (least
-    connections) would send about half of them to the replica that never saw it."""
+@pytest.fixture(scope="module")
+def served_two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, psutil.Popen]]:
+    """Two replicas on the defaults, once HAProxy lists both: a pick HAProxy does not know yet would go
+    through Serve's fallback proxy (affinity lapses for that request)."""
     args = [*ARGS, "--replicas", "2", "--replica-num-cpus", "0.5", "--scheduler-num-cpus", "0.5"]
-    with cli_server(args, tmp_path / "serve.log") as (url, proc):
+    with cli_server(args, tmp_path_factory.mktemp("haproxy_two") / "serve.log") as (url, proc):
         poll_until(lambda: len(_replica_urls(proc)) == 2, DEADLINE_S, "two replicas serving HTTP")
-        # HAProxy learns of a new replica a moment after it listens; a pick it does not know yet goes through
-        # Serve's fallback proxy (affinity lapses for that request), so the test starts once it knows both.
         poll_until(lambda: _haproxy_servers(proc) == 2, DEADLINE_S, lambda: f"HAProxy to list two replicas, "
                    f"not {_haproxy_servers(proc)}")  # fmt: skip
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        docs = [f"[document {d}] " + "".join(chr(97 + (d * 7 + i * 3) % 26) for i in range(200)) for d in range(5)]
-        cached: dict[int, list[int]] = {d: [] for d in range(len(docs))}
-        for q in range(3):
-            for d, doc in enumerate(docs):
-                reply = client.completions.create(model="tiny", prompt=f"{doc} question {q}?", max_tokens=2)
-                usage = reply.usage
-                assert usage is not None and usage.prompt_tokens_details is not None
-                cached[d].append(usage.prompt_tokens_details.cached_tokens or 0)
-        # The document is page-aligned in the cache (16 tokens a page), so up to a page short of it.
-        assert all(c[0] == 0 and min(c[1:]) >= len(doc) - 16 for c, doc in zip(cached.values(), docs, strict=True)), \
-            cached
+        yield url, proc
         for replica in _replica_urls(proc):
             poll_until(lambda r=replica: _pages_free(r), DEADLINE_S, f"every page free on {replica}")
+
+
+def test_requests_sharing_a_document_go_where_it_is_cached(served_two: tuple[str, psutil.Popen]) -> None:
+    """No routing header: the router reads the prompt from the body HAProxy forwards. Every request after
+    the first of its document finds the document cached; HAProxy's own balancing (least connections)
+    sends some of them to the replica that never saw it."""
+    url, _ = served_two
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    docs = [f"[document {d}] " + "".join(chr(97 + (d * 7 + i * 3) % 26) for i in range(200)) for d in range(5)]
+    cached: dict[int, list[int]] = {d: [] for d in range(len(docs))}
+    for q in range(3):
+        for d, doc in enumerate(docs):
+            reply = client.completions.create(model="tiny", prompt=f"{doc} question {q}?", max_tokens=2)
+            usage = reply.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached[d].append(usage.prompt_tokens_details.cached_tokens or 0)
+    # The document is page-aligned in the cache (16 tokens a page), so up to a page short of it.
+    assert all(c[0] == 0 and min(c[1:]) >= len(doc) - 16 for c, doc in zip(cached.values(), docs, strict=True)), \
+        cached
+
+
+def test_a_stored_response_is_reached_from_either_replica(served_two: tuple[str, psutil.Popen]) -> None:
+    """HAProxy balances GET and DELETE itself; the replica that gets one for a response the other holds asks
+    the holder (apps.responses.forward), so every retrieval answers, and a deletion holds everywhere."""
+    url, _ = served_two
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    made = [client.responses.create(model="tiny", input=f"note {i}", max_output_tokens=4, store=True)
+            for i in range(2)]
+    for response in made:
+        for _ in range(4):  # least connections alternates idle replicas: both answer for each id
+            again = client.responses.retrieve(response.id)
+            assert again.id == response.id and again.output_text == response.output_text
+    client.responses.delete(made[0].id)
+    for _ in range(4):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made[0].id)
+    assert client.responses.retrieve(made[1].id).id == made[1].id

@@ -271,10 +271,7 @@ def router_config(options: Mapping[str, Any] | str | None,
     ``"default"`` keeps Serve's power of two choices. Invalid keywords fail
     here, at build time.
     """
-    if options == "default":
-        return None
-    opts: dict[str, Any] = {"kind": options or "prefix"} if options is None or isinstance(options, str) \
-        else dict(options)
+    opts: dict[str, Any] = dict(options) if isinstance(options, Mapping) else {"kind": options or "prefix"}
     kind = opts.pop("kind", "prefix")
     if kind == "default":
         return None

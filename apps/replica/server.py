@@ -46,7 +46,6 @@ methods' annotations at runtime (a string ``Request`` became a body field).
 import asyncio
 import contextlib
 import functools
-import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -74,7 +73,7 @@ from apps.outputs.response_builder import ResponseBuilder
 from apps.outputs.stream_fanout import EventStreamResponse, StreamFanout
 from apps.outputs.token_text import TokenText
 from apps.protocol import models as p
-from apps.protocol.errors import APIError
+from apps.protocol.errors import APIError, error_response
 from apps.replica import embeddings as em
 from apps.replica.disaggregation import (
     DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
@@ -259,33 +258,36 @@ class LLMServer(ReplicaStats, ReplicaRequests):
     async def get_response(self, response_id: str, request: Request) -> Response:
         """A stored response, from the replica holding it (``apps.responses.forward``); 404 naming the id when
         it holds none for the caller's key."""
-        return await self._stored(response_id, "GET", request.headers.get("authorization"), forward=True)
+        status, body = await self._stored(response_id, "GET", request.headers.get("authorization"), forward=True)
+        return JSONResponse(body, status_code=status)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> Response:
         """Forget a stored response, on the replica holding it (404 naming the id when it holds none for the
         caller's key)."""
-        return await self._stored(response_id, "DELETE", request.headers.get("authorization"), forward=True)
+        status, body = await self._stored(response_id, "DELETE", request.headers.get("authorization"), forward=True)
+        return JSONResponse(body, status_code=status)
 
     async def stored_response(self, arg: RequestArg, method: StoredResponseMethod,
                               authorization: str | None) -> tuple[int, dict[str, Any]]:
         """A replica that does not hold a response asks this one (the router sent the call here by its id)."""
         rid = arg.value.get("previous_response_id", "") if isinstance(arg.value, Mapping) else ""
-        reply = await self._stored(str(rid), method, authorization, forward=False)
-        return reply.status_code, json.loads(bytes(reply.body))
+        return await self._stored(str(rid), method, authorization, forward=False)
 
     async def _stored(self, rid: str, method: StoredResponseMethod, authorization: str | None, *,
-                      forward: bool) -> JSONResponse:
+                      forward: bool) -> tuple[int, dict[str, Any]]:
+        """``(status, JSON body)`` of ``method`` on the stored response ``rid``: the holder's, when
+        ``forward`` and another replica holds it; else this replica's."""
         try:
             owner = self.auth.check(authorization)  # here too: no unauthenticated call crosses to the holder
             if forward and (held := await at_holder(rid, self._responses.tag, method, authorization)) is not None:
-                return JSONResponse(held[1], status_code=held[0])
+                return held
             if method == "GET":
-                return JSONResponse(self._responses.lookup(rid, owner).response)
+                return 200, self._responses.lookup(rid, owner).response
             self._responses.delete(rid, owner)
         except Exception as exc:
-            return error_json(exc)
-        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+            return error_response(exc)
+        return 200, {"id": rid, "object": "response.deleted", "deleted": True}
 
     @app.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> Response:

@@ -14,9 +14,11 @@ callee never forwards again, so a call crosses at most one hop.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from cluster.pending_requests import RequestArg
 from cluster.response_ids import replica_tag
@@ -37,8 +39,14 @@ async def at_holder(rid: str, this_tag: str, method: StoredResponseMethod,
     holder = replica_tag(rid)
     if holder is None or holder == this_tag:
         return None
-    context = serve.get_replica_context()
-    handle = serve.get_deployment_handle(context.deployment, context.app_name)
-    result: tuple[int, dict[str, Any]] = await handle.options(method_name=STORED_RESPONSE_CALL).remote(
-        holder_arg(rid), method, authorization)
+    result: tuple[int, dict[str, Any]] = await _holders().remote(holder_arg(rid), method, authorization)
     return result
+
+
+@functools.cache
+def _holders() -> DeploymentHandle:
+    """This replica's handle to its own deployment's ``stored_response``: made once, so its router (and the
+    replica set it follows) is not built again for every forwarded request."""
+    context = serve.get_replica_context()
+    return serve.get_deployment_handle(context.deployment, context.app_name).options(
+        method_name=STORED_RESPONSE_CALL)

@@ -6,16 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 from types import SimpleNamespace
-from typing import Any
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve._private.request_router.common import PendingRequest
-from ray.serve.request_router import ReplicaID
 
 from cluster.ingress_router import routed_request
 from cluster.pending_requests import RoutingKey, request_key, request_model, request_owner
 from cluster.request_router import ROUTING_NUM_OPEN, ROUTING_REPORTED_AT, PrefixAwareRequestRouter
 from cluster.response_ids import response_id
+from tests.cluster.test_request_router import _replica
 
 DOC = "You are a ship's navigator. " * 8
 
@@ -45,11 +44,6 @@ def test_a_responses_request_goes_to_the_replica_holding_its_previous_response()
     assert request_owner(routed_request(json.dumps({"input": "more", "previous_response_id": rid}).encode(),
                                         None)) == "b"
     assert request_owner(routed_request(json.dumps({"input": "first"}).encode(), None)) is None
-
-
-def _replica(name: str, deployment: DeploymentID, stats: dict[str, Any]) -> Any:
-    return SimpleNamespace(replica_id=ReplicaID(unique_id=name, deployment_id=deployment),
-                           routing_stats=stats, max_ongoing_requests=256)
 
 
 def test_picks_without_dispatch_count_as_load_until_the_next_report() -> None:
